@@ -1,0 +1,1 @@
+"""What runs: the Prefect flows and their entry points (command line, Python API)."""

@@ -1,0 +1,160 @@
+"""The command line: a drop-in for `python -m verl_omni.model_merger merge|test`, plus our verbs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from mergeflow.config import DEFAULT_MAX_SHARD_SIZE, ModelMergerConfig
+from mergeflow.errors import MergeflowError
+
+
+def _flag(parser: argparse.ArgumentParser, *names: str, **kwargs: Any) -> None:
+    parser.add_argument(*names, **kwargs)
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    _flag(parser, "--backend", required=True, choices=["fsdp"], help="checkpoint backend (only fsdp)")
+    _flag(parser, "--local_dir", "--local-dir", dest="local_dir", help="the checkpoint's actor directory")
+    _flag(parser, "--hf_model_config_path", "--hf-model-config-path", dest="hf_model_config_path",
+          help="directory with the trained config.json (default: LOCAL_DIR/huggingface)")
+    _flag(parser, "--trust-remote-code", "--trust_remote_code", dest="trust_remote_code", action="store_true",
+          help="allow copying .py files of a remote-code base")
+    _flag(parser, "--debug", action="store_true", help="show tracebacks and Prefect's console logs")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer number of bytes") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError("must be > 0")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mergeflow", description="Export FSDP diffusion checkpoints as verified Diffusers artifacts.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    merge = sub.add_parser("merge", help="export a checkpoint")
+    _common(merge)
+    _flag(merge, "--target_dir", "--target-dir", dest="target_dir", help="output directory (must not exist)")
+    _flag(merge, "--base_model", "--base-model", dest="base_model", help="local base pipeline or transformer directory")
+    _flag(merge, "--output_format", "--output-format", dest="output_format", default="pipeline", choices=["pipeline", "transformer"])
+    _flag(merge, "--dtype", default="preserve", choices=["preserve", "float32", "float16", "bfloat16"])
+    _flag(merge, "--max_shard_size", "--max-shard-size", dest="max_shard_size", type=_positive_int, default=DEFAULT_MAX_SHARD_SIZE)
+    _flag(merge, "--hf_upload_path", "--hf-upload-path", dest="hf_upload_path", help="ORG/REPO to upload to after publishing")
+    _flag(merge, "--private", action="store_true", help="create the Hub repo private")
+    _flag(merge, "--trust-checkpoint", "--trust_checkpoint", dest="trust_checkpoint", action="store_true",
+          help="permit full (unsafe) unpickling of rank files the safe loader refuses")
+    _flag(merge, "--adapter-name", "--adapter_name", dest="adapter_name", default="default")
+    _flag(merge, "--fuse-lora", "--fuse_lora", dest="fuse_lora", action="store_true")
+    _flag(merge, "--adapter-format", "--adapter_format", dest="adapter_format", default="peft", choices=["peft", "diffusers"])
+    _flag(merge, "--adapter-config", "--adapter_config", dest="adapter_config", help="PEFT adapter_config.json of the trained adapter")
+    _flag(merge, "--component", default="transformer", help="pipeline component the checkpoint replaces")
+    _flag(merge, "--qkv-layout", "--qkv_layout", dest="qkv_layout", default="interleaved", choices=["interleaved", "stacked"])
+    _flag(merge, "--workers", type=int, default=2, help="parallel shard writers")
+
+    test = sub.add_parser("test", help="validate a published artifact without its source")
+    _common(test)
+    _flag(test, "--test_hf_dir", "--test-hf-dir", dest="test_hf_dir", required=True)
+
+    inspect = sub.add_parser("inspect", help="describe a checkpoint without exporting it")
+    _flag(inspect, "--local_dir", "--local-dir", dest="local_dir", required=True)
+    _flag(inspect, "--trust-checkpoint", "--trust_checkpoint", dest="trust_checkpoint", action="store_true")
+    _flag(inspect, "--debug", action="store_true")
+
+    demo = sub.add_parser("demo", help="build a tiny checkpoint, export and validate it")
+    _flag(demo, "--workdir", help="where to build it (default: a new temp dir)")
+    _flag(demo, "--debug", action="store_true")
+    return parser
+
+
+def _config_from(args: argparse.Namespace, operation: str) -> ModelMergerConfig:
+    fields = {f for f in ModelMergerConfig.__dataclass_fields__}
+    values = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    return ModelMergerConfig(operation=operation, **values)
+
+
+def _quiet_prefect(debug: bool) -> None:
+    # Prefect's console handler prints task tracebacks; the user gets one line unless --debug.
+    # Must happen before prefect is imported; the API handler still sends every log to the UI.
+    if not debug:
+        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "CRITICAL")
+    # Without PREFECT_API_URL Prefect starts a temporary server; on a busy machine its 20 s
+    # default start-up limit is too tight.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+
+
+def cmd_merge(args: argparse.Namespace) -> dict[str, Any]:
+    from mergeflow.flows.api import merge_model
+    from mergeflow.flows.progress import stderr_progress
+
+    config = _config_from(args, "merge")
+    with stderr_progress():
+        result = merge_model(config)
+    out: dict[str, Any] = {"output_dir": result.output_dir, "manifest_path": result.manifest_path}
+    if result.upload is not None:
+        out["upload"] = result.upload
+    return out
+
+
+def cmd_test(args: argparse.Namespace) -> dict[str, Any]:
+    from mergeflow.flows.api import validate_artifact
+
+    return validate_artifact(args.test_hf_dir)
+
+
+def cmd_inspect(args: argparse.Namespace) -> dict[str, Any]:
+    from pathlib import Path
+
+    from mergeflow.tasks.inspect import describe_checkpoint
+
+    return describe_checkpoint(Path(args.local_dir), trust_checkpoint=args.trust_checkpoint)
+
+
+def cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
+    from mergeflow.flows.demo import run_demo
+
+    return run_demo(args.workdir)
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+    "merge": cmd_merge,
+    "test": cmd_test,
+    "inspect": cmd_inspect,
+    "demo": cmd_demo,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    debug = bool(getattr(args, "debug", False))
+    _quiet_prefect(debug)
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    try:
+        result = COMMANDS[args.command](args)
+    except MergeflowError as exc:
+        if debug:
+            traceback.print_exc()
+        staging = getattr(exc, "staging_dir", None)
+        note = f" (work kept for resume in {staging}; rerun the same command to resume)" if staging else ""
+        print(f"mergeflow: error: {exc}{note}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("mergeflow: interrupted; nothing was published", file=sys.stderr)
+        return 130
+    except Exception as exc:  # an unexpected failure still gets one line, and a way to see more
+        if debug:
+            traceback.print_exc()
+        print(f"mergeflow: internal error: {type(exc).__name__}: {exc} (rerun with --debug for a traceback)", file=sys.stderr)
+        return 1
+    sys.stdout.flush()
+    print(json.dumps(result))
+    return 0

@@ -1,0 +1,70 @@
+"""The merge flow: inspect -> load ranks -> plan -> write shards -> metadata -> validate -> publish."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.futures import as_completed
+from prefect.runtime import flow_run
+
+from mergeflow.config import ModelMergerConfig
+from mergeflow.errors import MergeflowError
+from mergeflow.fsops import TargetLock
+from mergeflow.paths import check_target
+from mergeflow.records import MergePlan, ShardRecord
+from mergeflow.tasks.inspect import inspect_inputs
+from mergeflow.tasks.load import load_rank_shards
+from mergeflow.tasks.publish import publish, write_metadata
+from mergeflow.tasks.reconstruct import plan_reconstruction
+from mergeflow.tasks.validate import validate_staged_task
+from mergeflow.tasks.write import pack_shards, write_shard
+from mergeflow.flows.artifacts import publish_manifest_artifacts, report_progress, start_progress
+
+
+def merge_run_name() -> str:
+    config = (flow_run.parameters or {}).get("config")
+    target = config.get("target_dir") if isinstance(config, dict) else getattr(config, "target_dir", None)
+    return f"merge-{Path(str(target or 'artifact')).name}"
+
+
+def run_export(plan: MergePlan) -> tuple[dict[str, str], dict[str, Any]]:
+    """The steps after inspection, run while the target lock is held."""
+    logger = get_run_logger()
+    check_target(Path(plan.target))  # re-checked under the lock: another export may have finished
+    rank_futures = [load_rank_shards.submit(plan, rank) for rank in range(plan.world_size)]
+    indexes = [f.result() for f in rank_futures]
+    logger.info("Indexed %d rank files of world size %d", len(indexes), plan.world_size)
+    writes = plan_reconstruction(plan, indexes)
+    output = pack_shards(writes, plan.config["max_shard_size"], plan.weights_name, plan.fingerprint)
+    progress = start_progress(plan, len(output.shards))
+    futures = [write_shard.submit(plan, shard) for shard in output.shards]
+    records: dict[str, ShardRecord] = {}
+    for future in as_completed(futures):
+        record = future.result()
+        records[record.file_name] = record
+        report_progress(progress, len(records), len(futures))
+    ordered = [records[s.file_name] for s in output.shards]
+    logger.info("Wrote %d shard(s), %d tensors, %d bytes", len(ordered), output.tensor_count, output.total_size)
+    manifest = write_metadata(plan, output, indexes, ordered)
+    report = validate_staged_task(plan, manifest)
+    result = publish(plan, report)
+    return result, manifest
+
+
+@flow(name="mergeflow-merge", flow_run_name=merge_run_name, persist_result=True, validate_parameters=True)
+def merge_flow(config: ModelMergerConfig) -> dict[str, Any]:
+    """Export an FSDP checkpoint as a verified, atomically published artifact."""
+    plan = inspect_inputs(config)
+    lock = TargetLock(Path(plan.lock)).acquire()
+    try:
+        result, manifest = run_export(plan)
+    except MergeflowError as exc:
+        if Path(plan.staging).exists():
+            exc.staging_dir = plan.staging  # type: ignore[attr-defined]
+        raise
+    finally:
+        lock.release()
+    publish_manifest_artifacts(plan, manifest, result["output_dir"])
+    return result

@@ -1,0 +1,353 @@
+"""Watch a training output directory and emit one event per completed checkpoint.
+
+`mergeflow watch TRAIN_OUTPUT_DIR` runs `watch()`: file-system notifications (watchdog) wake
+the watcher, a periodic re-scan backs them up, and a checkpoint counts as complete only when
+its structure is whole and nothing in it changed for `stable_seconds`. What was emitted is
+kept in a JSON state file, so a restarted watcher never emits the same checkpoint twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mergeflow.errors import UsageError
+from mergeflow.flows.watch_state import STATE_FILE_NAME, WatchState
+
+_STEP_DIR = re.compile(r"global_step_(\d+)")
+_MODEL_RANK_FILE = re.compile(r"model_world_size_(\d+)_rank_(\d+)\.pt")
+# Bursts of write notifications (a rank file streaming to disk) collapse into one scan.
+_MIN_SCAN_INTERVAL = 0.1
+# How quickly run() notices an external stop_event while it sleeps.
+_STOP_CHECK_INTERVAL = 0.25
+# Our own reads of the checkpoint (and the merge's) must not wake the watcher.
+_IGNORED_EVENT_TYPES = frozenset({"opened", "closed_no_write"})
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, order=True)
+class CheckpointCandidate:
+    """One `global_step_N/actor` directory of a training run."""
+
+    step: int
+    actor_dir: Path
+
+
+@dataclass(frozen=True)
+class CheckpointSnapshot:
+    """What one look at an actor directory saw."""
+
+    ready: bool  # the file set is whole; stability is judged across snapshots
+    reason: str  # why not ready; empty when ready
+    fault: bool  # the reason will not go away by waiting (e.g. a stale rank file)
+    fingerprint: str  # sha256 over every file's relative path, size and mtime
+
+
+def find_checkpoints(train_dir: str | os.PathLike[str]) -> list[CheckpointCandidate]:
+    """The `global_step_N/actor` directories under train_dir, lowest step first."""
+    root = Path(train_dir).expanduser().absolute()
+    found: list[CheckpointCandidate] = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(root):
+            match = _STEP_DIR.fullmatch(entry.name)
+            if match and entry.is_dir() and (root / entry.name / "actor").is_dir():
+                found.append(CheckpointCandidate(int(match.group(1)), root / entry.name / "actor"))
+    return sorted(found)
+
+
+def _fingerprint(actor_dir: Path) -> str:
+    """Digest of (path, size, mtime_ns) for every file below actor_dir."""
+    entries: list[tuple[str, int, int]] = []
+    for folder, _dirs, files in os.walk(actor_dir):
+        for name in files:
+            path = Path(folder) / name
+            stat = path.stat()
+            entries.append((path.relative_to(actor_dir).as_posix(), stat.st_size, stat.st_mtime_ns))
+    return hashlib.sha256(json.dumps(sorted(entries)).encode("utf-8")).hexdigest()
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    if len(keys) != len(set(keys)):
+        raise ValueError("duplicate keys")
+    return dict(pairs)
+
+
+def _declared_world_size(actor_dir: Path) -> int | str:
+    """world_size from fsdp_config.json, or the reason it cannot be read (yet)."""
+    path = actor_dir / "fsdp_config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_reject_duplicates)
+    except FileNotFoundError:
+        return "fsdp_config.json is not written yet"
+    except (OSError, ValueError):
+        return "fsdp_config.json is not valid JSON (yet)"
+    world_size = config.get("world_size") if isinstance(config, dict) else None
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        return "fsdp_config.json has no positive integer world_size"
+    return world_size
+
+
+def inspect_checkpoint(actor_dir: str | os.PathLike[str]) -> CheckpointSnapshot:
+    """Check an actor directory's file set once: fsdp_config, all W rank files, HF config."""
+    actor_dir = Path(actor_dir)
+    try:
+        return _inspect_file_set(actor_dir, _fingerprint(actor_dir))
+    except FileNotFoundError:  # a file vanished between listing and stat: still being written
+        return CheckpointSnapshot(False, "files are being replaced", False, "")
+    except OSError as exc:  # e.g. permissions: waiting will not help, so say it once
+        return CheckpointSnapshot(False, f"it cannot be read ({exc})", True, "")
+
+
+def _inspect_file_set(actor_dir: Path, fingerprint: str) -> CheckpointSnapshot:
+    def not_ready(reason: str, fault: bool = False) -> CheckpointSnapshot:
+        return CheckpointSnapshot(False, reason, fault, fingerprint)
+
+    world_size = _declared_world_size(actor_dir)
+    if isinstance(world_size, str):
+        return not_ready(world_size)
+    expected = {f"model_world_size_{world_size}_rank_{rank}.pt" for rank in range(world_size)}
+    present = {name for name in os.listdir(actor_dir) if _MODEL_RANK_FILE.fullmatch(name)}
+    unexpected = sorted(present - expected)
+    if unexpected:
+        return not_ready(
+            f"rank files that do not belong to world_size {world_size}: {', '.join(unexpected)} "
+            "(left from another run? remove them)",
+            fault=True,
+        )
+    missing = expected - present
+    if missing:
+        return not_ready(f"{len(missing)} of {world_size} model rank files are not written yet")
+    if any((actor_dir / name).stat().st_size == 0 for name in expected):
+        return not_ready("a model rank file is still empty")
+    try:
+        json.loads((actor_dir / "huggingface" / "config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return not_ready("huggingface/config.json is not written yet")
+    except (OSError, ValueError):
+        return not_ready("huggingface/config.json is not valid JSON (yet)")
+    return CheckpointSnapshot(True, "", False, fingerprint)
+
+
+def checkpoint_is_complete(actor_dir: str | os.PathLike[str], *, stable_seconds: float) -> bool:
+    """True when the file set is whole and unchanged across two looks stable_seconds apart."""
+    first = inspect_checkpoint(actor_dir)
+    if not first.ready:
+        return False
+    time.sleep(stable_seconds)
+    second = inspect_checkpoint(actor_dir)
+    return second.ready and second.fingerprint == first.fingerprint
+
+
+@dataclass
+class _Pending:
+    fingerprint: str
+    since: float
+    logged: str = ""  # the reason last logged at INFO or above, so each is said once
+
+
+class CheckpointWatcher:
+    """Emits `emit(actor_dir, step)` exactly once per completed checkpoint under train_dir."""
+
+    def __init__(
+        self,
+        train_dir: str | os.PathLike[str],
+        emit: Callable[[Path, int], None],
+        *,
+        stable_seconds: float = 5.0,
+        poll_seconds: float = 1.0,
+        state_file: str | os.PathLike[str] | None = None,
+        retry_seconds: float = 30.0,
+    ) -> None:
+        self.train_dir = Path(train_dir).expanduser().absolute()
+        if not self.train_dir.is_dir():
+            raise UsageError(f"Training output directory {self.train_dir} does not exist; start the watcher on an existing directory.")
+        if stable_seconds < 0 or poll_seconds <= 0 or retry_seconds < 0:
+            raise UsageError("stable_seconds and retry_seconds must be >= 0 and poll_seconds > 0.")
+        self.emit = emit
+        self.stable_seconds = stable_seconds
+        self.poll_seconds = poll_seconds
+        self.retry_seconds = retry_seconds
+        self.state_file = Path(state_file).absolute() if state_file else self.train_dir / STATE_FILE_NAME
+        self.state = WatchState.load(self.state_file, self.train_dir)
+        self._pending: dict[Path, _Pending] = {}
+        self._retry_at: dict[Path, float] = {}
+        self._wake = threading.Event()
+
+    def scan(self) -> tuple[list[CheckpointCandidate], float]:
+        """Look at every checkpoint once, emit those that are due; returns (emitted, seconds to next due)."""
+        emitted: list[CheckpointCandidate] = []
+        next_due = float("inf")
+        seen: set[Path] = set()
+        for candidate in find_checkpoints(self.train_dir):
+            seen.add(candidate.actor_dir)
+            due = self._consider(candidate, time.monotonic(), emitted)
+            next_due = min(next_due, due)
+        for gone in set(self._pending) - seen:
+            del self._pending[gone]
+        return emitted, next_due
+
+    def _consider(self, candidate: CheckpointCandidate, now: float, emitted: list[CheckpointCandidate]) -> float:
+        """Advance one checkpoint's state; returns seconds until it needs another look."""
+        snapshot = inspect_checkpoint(candidate.actor_dir)
+        pending = self._pending.get(candidate.actor_dir)
+        if pending is None or pending.fingerprint != snapshot.fingerprint:
+            pending = self._pending[candidate.actor_dir] = _Pending(snapshot.fingerprint, now, pending.logged if pending else "")
+        if snapshot.ready and self.state.already_emitted(candidate.actor_dir, snapshot.fingerprint):
+            return float("inf")
+        waited = now - pending.since
+        if not snapshot.ready:
+            if snapshot.fault and pending.logged != snapshot.reason:
+                pending.logged = snapshot.reason
+                logger.warning("Not emitting %s: %s.", candidate.actor_dir, snapshot.reason)
+            elif waited >= self.stable_seconds and pending.logged != snapshot.reason:
+                pending.logged = snapshot.reason
+                logger.info("Waiting for %s: %s.", candidate.actor_dir, snapshot.reason)
+            else:
+                logger.debug("Waiting for %s: %s.", candidate.actor_dir, snapshot.reason)
+            # One more look when the stability window ends, to report a checkpoint stuck incomplete.
+            return self.stable_seconds - waited if waited < self.stable_seconds else float("inf")
+        if waited < self.stable_seconds:
+            return self.stable_seconds - waited
+        retry_at = self._retry_at.get(candidate.actor_dir, 0.0)
+        if now < retry_at:
+            return retry_at - now
+        try:
+            self.emit(candidate.actor_dir, candidate.step)
+        except Exception as exc:  # the watcher outlives one failed emit and retries later
+            self._retry_at[candidate.actor_dir] = now + self.retry_seconds
+            logger.error("Emitting %s failed (%s); retrying in %g s.", candidate.actor_dir, exc, self.retry_seconds)
+            return self.retry_seconds
+        self._retry_at.pop(candidate.actor_dir, None)
+        self.state.record(candidate.actor_dir, candidate.step, snapshot.fingerprint)
+        emitted.append(candidate)
+        logger.info("Emitted checkpoint step %d: %s.", candidate.step, candidate.actor_dir)
+        return float("inf")
+
+    def notify(self) -> None:
+        """Wake the watcher for an immediate re-scan (used by the file-system observer)."""
+        self._wake.set()
+
+    def run(self, stop_event: threading.Event | None = None, timeout: float | None = None) -> list[CheckpointCandidate]:
+        """Watch until stop_event is set or timeout seconds pass; returns what was emitted."""
+        stop = stop_event if stop_event is not None else threading.Event()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        emitted: list[CheckpointCandidate] = []
+        with self._exclusive(), self._observing():
+            while not stop.is_set():
+                self._wake.clear()
+                started = time.monotonic()
+                new, next_due = self.scan()
+                emitted.extend(new)
+                wait = min(self.poll_seconds, next_due)
+                if deadline is not None:
+                    if started >= deadline:
+                        break
+                    wait = min(wait, deadline - time.monotonic())
+                if self._sleep(wait, stop):
+                    time.sleep(max(0.0, _MIN_SCAN_INTERVAL - (time.monotonic() - started)))
+        return emitted
+
+    def _sleep(self, seconds: float, stop: threading.Event) -> bool:
+        """Wait up to seconds for a notification (True) while staying responsive to stop."""
+        end = time.monotonic() + seconds
+        while not stop.is_set():
+            remaining = end - time.monotonic()
+            if remaining <= 0:
+                return False
+            if self._wake.wait(min(remaining, _STOP_CHECK_INTERVAL)):
+                return True
+        return False
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """Hold a lock beside the state file: two watchers would emit everything twice."""
+        lock_path = self.state_file.with_name(self.state_file.name + ".lock")
+        try:
+            lock = open(lock_path, "a")
+        except OSError as exc:
+            raise UsageError(f"Cannot create {lock_path} ({exc}); pass a writable state_file.") from exc
+        with lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError as exc:
+                raise UsageError(f"Another mergeflow watcher holds {lock_path}; stop it before starting a second one.") from exc
+            yield
+
+    @contextlib.contextmanager
+    def _observing(self) -> Iterator[None]:
+        """Run a watchdog observer that wakes the loop on relevant file-system changes."""
+        from watchdog.events import FileSystemEvent, FileSystemEventHandler
+        from watchdog.observers import Observer
+
+        own_files = (str(self.state_file), str(self.state_file.parent / f".{self.state_file.name}."))
+        watcher = self
+
+        class _Wake(FileSystemEventHandler):
+            def on_any_event(self, event: FileSystemEvent) -> None:
+                path = os.fsdecode(event.src_path)
+                if event.event_type in _IGNORED_EVENT_TYPES or path.startswith(own_files):
+                    return
+                watcher.notify()
+
+        # watchdog re-registers its (identical) callback when a new directory tree appears
+        # in a burst and warns each time; the warning is harmless noise on the user's terminal.
+        warnings.filterwarnings("ignore", message=r"Callback with id .* already exists for watch", category=RuntimeWarning)
+        observer = Observer()
+        try:
+            observer.schedule(_Wake(), str(self.train_dir), recursive=True)
+            observer.start()
+        except OSError as exc:  # e.g. the inotify watch limit; the periodic re-scan still works
+            logger.warning("File-system notifications unavailable (%s); re-scanning every %g s instead.", exc, self.poll_seconds)
+            yield
+            return
+        try:
+            yield
+        finally:
+            observer.stop()
+            observer.join(timeout=5.0)
+
+
+def watch(
+    train_dir: str | os.PathLike[str],
+    *,
+    base_model: str | None = None,
+    target_dir_template: str | None = None,
+    run_name: str | None = None,
+    stable_seconds: float = 5.0,
+    poll_seconds: float = 1.0,
+    state_file: str | os.PathLike[str] | None = None,
+    stop_event: threading.Event | None = None,
+    timeout: float | None = None,
+) -> list[CheckpointCandidate]:
+    """Emit `mergeflow.checkpoint.saved` once per completed checkpoint (`mergeflow watch`)."""
+    from mergeflow.events import checkpoint_saved, configured_api_url
+
+    configured_api_url()  # fail at start, not at the first checkpoint hours later
+    if target_dir_template is not None:
+        try:
+            target_dir_template.format(step=0, run_name="run")
+        except (KeyError, IndexError, ValueError, AttributeError) as exc:
+            raise UsageError(f"target_dir_template may use only {{step}} and {{run_name}}: {exc!r}.") from exc
+    resolved_run = run_name or Path(train_dir).expanduser().absolute().name
+
+    def emit(actor_dir: Path, step: int) -> None:
+        target = target_dir_template.format(step=step, run_name=resolved_run) if target_dir_template else None
+        checkpoint_saved(actor_dir, step=step, run_name=resolved_run, base_model=base_model, target_dir=target)
+
+    watcher = CheckpointWatcher(train_dir, emit, stable_seconds=stable_seconds, poll_seconds=poll_seconds, state_file=state_file)
+    logger.info("Watching %s for checkpoints (state in %s).", watcher.train_dir, watcher.state_file)
+    return watcher.run(stop_event=stop_event, timeout=timeout)

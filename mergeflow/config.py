@@ -1,0 +1,95 @@
+"""The merge configuration (field names of verl-omni's ModelMergerConfig) and its result."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from mergeflow.errors import UsageError
+
+DEFAULT_MAX_SHARD_SIZE = 2 * 1024**3
+OUTPUT_FORMATS = ("pipeline", "transformer")
+DTYPES = ("preserve", "float32", "float16", "bfloat16")
+ADAPTER_FORMATS = ("peft", "diffusers")
+QKV_LAYOUTS = ("interleaved", "stacked")
+
+
+@dataclass
+class ModelMergerConfig:
+    """What to merge and how. The first sixteen fields mirror verl-omni's config exactly."""
+
+    operation: str = "merge"
+    backend: str = "fsdp"
+    target_dir: str | None = None
+    hf_upload_path: str | None = None
+    private: bool = False
+    test_hf_dir: str | None = None
+    trust_remote_code: bool = False
+    local_dir: str | None = None
+    hf_model_config_path: str | None = None
+    base_model: str | None = None
+    output_format: str = "pipeline"
+    adapter_name: str = "default"
+    dtype: str = "preserve"
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
+    trust_checkpoint: bool = False
+    fuse_lora: bool = False
+    # mergeflow's own additions (all optional, defaults keep the reference behaviour).
+    component: str = "transformer"
+    adapter_format: str = "peft"
+    adapter_config: str | None = None
+    qkv_layout: str = "interleaved"
+    workers: int = 2
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.hf_model_config_path is None and self.local_dir is not None:
+            self.hf_model_config_path = f"{self.local_dir.rstrip('/')}/huggingface"
+
+    def validate(self) -> None:
+        """Refuse flag values that cannot work, before any file is touched."""
+        if self.backend != "fsdp":
+            raise UsageError(f"--backend {self.backend!r} is not supported; the only backend is 'fsdp'")
+        if self.operation == "test":
+            if not self.test_hf_dir:
+                raise UsageError("test needs --test_hf_dir DIR (a published mergeflow artifact)")
+            return
+        if self.operation != "merge":
+            raise UsageError(f"unknown operation {self.operation!r}; use 'merge' or 'test'")
+        if not self.local_dir:
+            raise UsageError("merge needs --local_dir (the checkpoint's actor directory)")
+        if not self.target_dir:
+            raise UsageError("merge needs --target_dir (a directory that does not exist yet)")
+        if not self.base_model:
+            raise UsageError("merge needs --base_model (a local base pipeline or transformer directory)")
+        if self.output_format not in OUTPUT_FORMATS:
+            raise UsageError(f"--output_format must be one of {', '.join(OUTPUT_FORMATS)}, not {self.output_format!r}")
+        if self.dtype not in DTYPES:
+            raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        if isinstance(self.max_shard_size, bool) or not isinstance(self.max_shard_size, int) or self.max_shard_size <= 0:
+            raise UsageError(f"--max_shard_size must be a positive number of bytes, not {self.max_shard_size!r}")
+        if not self.adapter_name or "." in self.adapter_name:
+            raise UsageError(f"--adapter-name must be non-empty and contain no '.', not {self.adapter_name!r}")
+        if self.adapter_format not in ADAPTER_FORMATS:
+            raise UsageError(f"--adapter-format must be one of {', '.join(ADAPTER_FORMATS)}")
+        if self.qkv_layout not in QKV_LAYOUTS:
+            raise UsageError(f"--qkv-layout must be one of {', '.join(QKV_LAYOUTS)}")
+        if not self.component or "/" in self.component or self.component.startswith("."):
+            raise UsageError(f"--component must be a component name such as 'transformer', not {self.component!r}")
+        if self.workers < 1:
+            raise UsageError("--workers must be at least 1")
+        if self.hf_upload_path is not None and self.hf_upload_path.count("/") != 1:
+            raise UsageError(f"--hf_upload_path must look like ORG/REPO, not {self.hf_upload_path!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class MergeResult:
+    """Where the published artifact and its manifest are."""
+
+    output_dir: str
+    manifest_path: str
+    upload: dict[str, Any] | None = None

@@ -1,0 +1,132 @@
+"""The trained model's schema from configs alone: meta-device instantiation and comparisons."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mergeflow.errors import BaseModelError, SchemaMismatchError
+from mergeflow.jsonfiles import read_json_strict
+from mergeflow.paths import check_relative_name
+from mergeflow.rank_files import dtype_name
+from mergeflow.safetensors_format import read_header
+
+
+def diffusers_model_class(class_name: str) -> type:
+    """The Diffusers model class named by `_class_name`; anything else is refused."""
+    import diffusers
+    from diffusers import ModelMixin
+
+    cls = getattr(diffusers, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, ModelMixin)):
+        raise BaseModelError(f"unknown model class {class_name!r}: it is not a Diffusers model class in diffusers {diffusers.__version__}")
+    return cls
+
+
+def meta_model(cls: type, config: dict[str, Any]) -> torch.nn.Module:
+    """Instantiate `cls` from `config` on the meta device: shapes without memory."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.device("meta"):
+            try:
+                return cls.from_config(config)
+            except Exception as exc:
+                raise SchemaMismatchError(f"{cls.__name__} cannot be built from this config ({type(exc).__name__}: {exc})") from None
+
+
+def constructor_fields(cls: type) -> list[str]:
+    params = inspect.signature(cls.__init__).parameters
+    return [n for n, p in params.items() if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def _normal(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return [_normal(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _normal(v) for k, v in value.items()}
+    return value
+
+
+def config_differences(cls: type, actor: torch.nn.Module, base: torch.nn.Module) -> list[str]:
+    """Constructor fields on which two instantiated models disagree (defaults filled in)."""
+    diffs = []
+    for name in constructor_fields(cls):
+        a, b = _normal(actor.config.get(name)), _normal(base.config.get(name))
+        if a != b:
+            diffs.append(f"{name}: checkpoint {a!r} vs base {b!r}")
+    return diffs
+
+
+@dataclass(frozen=True)
+class ExpectedTensor:
+    shape: tuple[int, ...]
+    dtype: str  # dtype of the meta instantiation (informative only)
+
+
+def expected_tensors(model: torch.nn.Module) -> dict[str, ExpectedTensor]:
+    """The exact tensor set a checkpoint must cover: the meta module's state_dict()."""
+    return {k: ExpectedTensor(tuple(v.shape), dtype_name(v.dtype)) for k, v in model.state_dict().items()}
+
+
+def keep_in_fp32_modules(cls: type) -> tuple[str, ...]:
+    return tuple(getattr(cls, "_keep_in_fp32_modules", None) or ())
+
+
+def is_kept_in_fp32(key: str, modules: tuple[str, ...]) -> bool:
+    """Diffusers' loading rule: a tensor stays float32 if a module name is one of its dotted parts."""
+    parts = key.split(".")
+    return any(m in parts for m in modules)
+
+
+def read_model_config(path: Path, error: type, what: str) -> dict[str, Any]:
+    data = read_json_strict(path, error, what)
+    if not isinstance(data, dict):
+        raise error(f"{what} must be a JSON object")
+    return data
+
+
+WEIGHT_NAMES = ("diffusion_pytorch_model.safetensors", "model.safetensors")
+
+
+def base_weight_headers(model_dir: Path, *, weights_name: str = "diffusion_pytorch_model.safetensors") -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Check the base's weight files (single or indexed) and return {key: (dtype, shape)} from headers."""
+    single = model_dir / weights_name
+    index = model_dir / f"{weights_name}.index.json"
+    if single.is_file():
+        entries, _, _ = _header(single)
+        return {k: (e.dtype, e.shape) for k, e in entries.items()}
+    if not index.is_file():
+        raise BaseModelError(f"{model_dir.name}/ has no {weights_name} nor {index.name}; the base is incomplete")
+    data = read_json_strict(index, BaseModelError, f"{model_dir.name}/{index.name}")
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise BaseModelError(f"{model_dir.name}/{index.name} has no weight_map")
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for file_name in sorted(set(weight_map.values())):
+        check_relative_name(file_name, f"{model_dir.name}/{index.name}")
+        shard = model_dir / file_name
+        if shard.is_symlink() or not shard.is_file():
+            raise BaseModelError(f"{model_dir.name}/{index.name} names {file_name}, which is missing")
+        entries, _, _ = _header(shard)
+        for key, entry in entries.items():
+            if weight_map.get(key) != file_name:
+                raise BaseModelError(f"{model_dir.name}/{file_name} holds {key}, which the index places elsewhere")
+            out[key] = (entry.dtype, entry.shape)
+    missing = sorted(set(weight_map) - set(out))
+    if missing:
+        raise BaseModelError(f"{model_dir.name}/{index.name} lists {missing[0]} but no shard holds it")
+    return out
+
+
+def _header(path: Path):  # type: ignore[no-untyped-def]
+    from mergeflow.errors import ValidationError
+
+    try:
+        return read_header(path)
+    except ValidationError as exc:
+        raise BaseModelError(f"base weights {path.parent.name}/{path.name} are damaged: {exc}") from None

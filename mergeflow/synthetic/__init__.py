@@ -1,0 +1,1 @@
+"""Builders of tiny, real checkpoints and pipelines (demo, tests, benchmarks)."""

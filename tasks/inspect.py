@@ -1,0 +1,178 @@
+"""Inspecting the inputs before any heavy work: flags, paths, checkpoint shape, base schema."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+
+from mergeflow.architectures import BaseLayout, detect_base
+from mergeflow.checkpoint import FSDP_CONFIG, LORA_META, read_fsdp_config, rank_file_names
+from mergeflow.config import ModelMergerConfig
+from mergeflow.errors import BaseModelError, CheckpointError, NotSupportedYet, SchemaMismatchError, UsageError
+from mergeflow.fsops import FileStamp, sha256_file
+from mergeflow.manifest import fingerprint
+from mergeflow.paths import check_no_overlap, check_target, lock_path_for, staging_dir_for
+from mergeflow.records import MergePlan
+from mergeflow.schema import (
+    base_weight_headers,
+    config_differences,
+    diffusers_model_class,
+    expected_tensors,
+    keep_in_fp32_modules,
+    meta_model,
+    read_model_config,
+)
+
+WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
+
+
+def resolve_inputs(config: ModelMergerConfig) -> dict[str, Path]:
+    """Absolute input/output paths, checked for existence and overlap."""
+    actor = Path(config.local_dir or "").expanduser().resolve()
+    cfg_dir = Path(config.hf_model_config_path or actor / "huggingface").expanduser().resolve()
+    base = Path(config.base_model or "").expanduser()
+    if not base.exists():
+        raise UsageError(
+            f"--base_model {config.base_model} is not a local directory; download the base first "
+            "(e.g. `hf download ORG/REPO --local-dir DIR`) and pass that directory"
+        )
+    base = base.resolve()
+    target = check_target(Path(config.target_dir or ""))
+    if not actor.is_dir():
+        raise CheckpointError(f"--local_dir {actor} is not a directory")
+    check_no_overlap({"--local_dir": actor, "--base_model": base, "--target_dir": target})
+    check_no_overlap({"--hf_model_config_path": cfg_dir, "--target_dir": target})
+    check_no_overlap({"--hf_model_config_path": cfg_dir, "--base_model": base})
+    return {"actor": actor, "config_dir": cfg_dir, "base": base, "target": target}
+
+
+def refuse_unsupported(config: ModelMergerConfig, layout: BaseLayout, actor: Path) -> None:
+    """Features whose issues have not landed answer with a clear error, never a half export."""
+    if config.output_format == "pipeline":
+        if layout.kind != "pipeline":
+            raise UsageError("--output_format pipeline needs a base pipeline (a directory with model_index.json); "
+                             "use --output_format transformer for a standalone transformer base")
+        raise NotSupportedYet("--output_format pipeline is not supported yet; use --output_format transformer")
+    if (actor / LORA_META).exists() or config.fuse_lora:
+        raise NotSupportedYet("LoRA checkpoints (lora_train_meta.json, --fuse-lora) are not supported yet")
+    if config.hf_upload_path:
+        raise NotSupportedYet("--hf_upload_path is not supported yet; upload the published directory with `hf upload`")
+
+
+def _schema(actor_config: dict[str, Any], base_config: dict[str, Any]) -> tuple[type, dict[str, tuple[int, ...]]]:
+    actor_class, base_class = actor_config.get("_class_name"), base_config.get("_class_name")
+    if not isinstance(actor_class, str):
+        raise CheckpointError("huggingface/config.json of the checkpoint has no _class_name")
+    if actor_class != base_class:
+        raise SchemaMismatchError(f"the checkpoint is a {actor_class} but the base transformer is a {base_class}")
+    cls = diffusers_model_class(actor_class)
+    actor_meta, base_meta = meta_model(cls, actor_config), meta_model(cls, base_config)
+    diffs = config_differences(cls, actor_meta, base_meta)
+    if diffs:
+        raise SchemaMismatchError(f"checkpoint and base configs differ on {len(diffs)} field(s): {'; '.join(diffs[:3])}")
+    return cls, {k: v.shape for k, v in expected_tensors(base_meta).items()}
+
+
+def inspect_merge(config: ModelMergerConfig) -> MergePlan:
+    """Decide everything about an export from metadata alone, refusing bad input early."""
+    config.validate()
+    paths = resolve_inputs(config)
+    actor, base, target = paths["actor"], paths["base"], paths["target"]
+    fsdp = read_fsdp_config(actor)
+    rank_files = rank_file_names(actor, fsdp.world_size)
+    layout = detect_base(base, config.component)
+    refuse_unsupported(config, layout, actor)
+    actor_config_path = paths["config_dir"] / "config.json"
+    actor_config = read_model_config(actor_config_path, CheckpointError, "huggingface/config.json of the checkpoint")
+    component_dir = layout.transformer_dir
+    base_config_path = component_dir / "config.json"
+    base_config = read_model_config(base_config_path, BaseModelError, f"{base_config_path.relative_to(base)} of the base")
+    cls, expected = _schema(actor_config, base_config)
+    headers = base_weight_headers(component_dir, weights_name=WEIGHTS_NAME)
+    if {k: tuple(v[1]) for k, v in headers.items()} != {k: tuple(v) for k, v in expected.items()}:
+        raise BaseModelError(f"the base's {cls.__name__} weights do not match its own config.json; the base is damaged")
+    inputs = [actor / FSDP_CONFIG, actor_config_path, base_config_path] + [actor / n for n in rank_files]
+    stamps = {str(p): FileStamp.of(p) for p in inputs}
+    base_files = {str(base_config_path.relative_to(base)): sha256_file(base_config_path)}
+    options = {k: v for k, v in config.to_dict().items() if k not in ("workers", "hf_upload_path", "private")}
+    fp = fingerprint([options, {k: list(v.__dict__.values()) for k, v in stamps.items()}, str(target)])
+    staging = staging_dir_for(target, fp)
+    return MergePlan(
+        config=config.to_dict(),
+        actor_dir=str(actor),
+        config_dir=str(paths["config_dir"]),
+        base_dir=str(base),
+        target=str(target),
+        staging=str(staging),
+        lock=str(lock_path_for(target)),
+        world_size=fsdp.world_size,
+        fsdp_version=fsdp.version,
+        rank_files=tuple(rank_files),
+        base_kind=layout.kind,
+        architecture=cls.__name__,
+        transformer_class=cls.__name__,
+        component=config.component,
+        base_component_dir=str(component_dir),
+        tensor_directory=".",
+        artifact_type="diffusers_transformer",
+        weights_name=WEIGHTS_NAME,
+        expected_shapes=expected,
+        keep_fp32=keep_in_fp32_modules(cls),
+        input_stamps=stamps,
+        source_config_sha256=sha256_file(actor_config_path),
+        base_files=base_files,
+        fingerprint=fp,
+    )
+
+
+@task(name="inspect", task_run_name="inspect-inputs")
+def inspect_inputs(config: ModelMergerConfig) -> MergePlan:
+    """Check flags, paths, checkpoint files and the base schema; plan the export."""
+    return inspect_merge(config)
+
+
+def describe_checkpoint(actor_dir: Path, *, trust_checkpoint: bool = False) -> dict[str, Any]:
+    """What is this checkpoint? World size, layout, tensors, dtypes, LoRA adapters, class."""
+    from mergeflow.layout import plan_layouts
+    from mergeflow.rank_files import describe_state, load_rank_state
+
+    actor_dir = actor_dir.expanduser().resolve()
+    fsdp = read_fsdp_config(actor_dir)
+    names = rank_file_names(actor_dir, fsdp.world_size)
+    entries = [describe_state(load_rank_state(actor_dir / n, trust_checkpoint=trust_checkpoint), n) for n in names]
+    layouts = plan_layouts(entries)
+    from mergeflow.safetensors_format import nbytes
+
+    placements = {e.placements for e in entries[0].values()}
+    if all(not p for p in placements):
+        kind = "plain"
+    elif any(len(p) == 2 for p in placements):
+        kind = "HSDP"
+    else:
+        kind = f"FSDP{fsdp.version}"
+    dtypes: dict[str, int] = {}
+    for layout in layouts.values():
+        dtypes[layout.dtype] = dtypes.get(layout.dtype, 0) + 1
+    adapters = sorted({part for key in layouts for part in _adapter_names(key)})
+    config_path = actor_dir / "huggingface" / "config.json"
+    class_name = None
+    if config_path.is_file():
+        class_name = read_model_config(config_path, CheckpointError, "huggingface/config.json").get("_class_name")
+    return {
+        "world_size": fsdp.world_size,
+        "fsdp_version": fsdp.version,
+        "layout": kind,
+        "tensors": len(layouts),
+        "bytes": sum(nbytes(l.dtype, l.shape) for l in layouts.values()),
+        "dtypes": dtypes,
+        "lora_adapters": adapters,
+        "lora_meta": (actor_dir / LORA_META).is_file(),
+        "class_name": class_name,
+    }
+
+
+def _adapter_names(key: str) -> list[str]:
+    parts = key.split(".")
+    return [parts[i + 1] for i, p in enumerate(parts[:-1]) if p in ("lora_A", "lora_B") and i + 2 < len(parts)]

@@ -1,0 +1,113 @@
+"""Finishing an export: configs, index and manifest into staging, then the atomic publish."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+
+from mergeflow.errors import ValidationError
+from mergeflow.fsops import fsync_dir, make_readable, rename_noreplace, sha256_file
+from mergeflow.jsonfiles import write_json_durable
+from mergeflow.manifest import MANIFEST_NAME, SCHEMA_VERSION, fingerprint, producer_versions
+from mergeflow.records import FileRecord, MergePlan, OutputPlan, RankIndex, ShardRecord, ValidationReport
+from mergeflow.tasks.validate import list_tree
+from mergeflow.tasks.write import write_component_config, write_weight_index
+
+LAYERS_PASSED = {"structure": "passed", "source_round_trip": "passed", "artifact_round_trip": "passed",
+                 "integrity": "passed", "runtime": "not_run"}
+
+
+def _rel(plan: MergePlan, name: str) -> str:
+    return name if plan.tensor_directory == "." else f"{plan.tensor_directory}/{name}"
+
+
+def write_metadata_files(plan: MergePlan, output: OutputPlan) -> tuple[list[FileRecord], dict[str, Any]]:
+    """The component config (path keys removed) and the weight index, hashed as written."""
+    tensor_dir = Path(plan.tensor_dir)
+    raw, removed = write_component_config(Path(plan.base_component_dir) / "config.json", tensor_dir / "config.json")
+    records = [FileRecord(_rel(plan, "config.json"), sha256_file(tensor_dir / "config.json"), len(raw), "written")]
+    index = write_weight_index(output, plan.weights_name, tensor_dir)
+    if index is not None:
+        name = f"{plan.weights_name}.index.json"
+        records.append(FileRecord(_rel(plan, name), sha256_file(tensor_dir / name), len(index), "written"))
+    transform = {"removed_keys": {_rel(plan, "config.json"): removed}} if removed else {"removed_keys": {}}
+    return records, transform
+
+
+def build_manifest(
+    plan: MergePlan,
+    indexes: list[RankIndex],
+    shards: list[ShardRecord],
+    files: list[FileRecord],
+    config_transform: dict[str, Any],
+    lora_fusion: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The manifest of SPEC section 5, built from records only (no absolute paths)."""
+    source_files = {ix.file_name: ix.sha256 for ix in sorted(indexes, key=lambda ix: ix.rank)}
+    source_files["fsdp_config.json"] = sha256_file(Path(plan.actor_dir) / "fsdp_config.json")
+    smc = {"sha256": plan.source_config_sha256, "logical_path": "huggingface/config.json"}
+    tensors = {name: {"shape": list(shape), "dtype": dtype} for s in shards for name, (dtype, shape) in s.tensors.items()}
+    out_files = {_rel(plan, s.file_name): s.sha256 for s in shards}
+    out_files.update({f.rel_path: f.sha256 for f in files})
+    manifest: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "artifact_type": plan.artifact_type,
+        "architecture": plan.architecture,
+        "backend": "fsdp",
+        "trained_components": [plan.component],
+        "tensor_directory": plan.tensor_directory,
+        "dtype": plan.config["dtype"],
+        "max_shard_size_bytes": plan.config["max_shard_size"],
+        "source_files": source_files,
+        "source_model_config": smc,
+        "source_fingerprint": fingerprint([source_files, smc]),
+        "base_files": dict(plan.base_files),
+        "base_fingerprint": fingerprint(plan.base_files),
+        "files": dict(sorted(out_files.items())),
+        "tensors": dict(sorted(tensors.items())),
+        "config_transform": config_transform,
+        "producer": producer_versions(),
+        "verification": dict(LAYERS_PASSED),
+        "checkpoint": {"world_size": plan.world_size, "fsdp_version": plan.fsdp_version},
+    }
+    if lora_fusion is not None:
+        manifest["lora_fusion"] = lora_fusion
+    return manifest
+
+
+def finalize_staging(plan: MergePlan, output: OutputPlan, indexes: list[RankIndex], shards: list[ShardRecord]) -> dict[str, Any]:
+    """Write the remaining files and the manifest into the staging artifact."""
+    files, transform = write_metadata_files(plan, output)
+    manifest = build_manifest(plan, indexes, shards, files, transform)
+    write_json_durable(Path(plan.artifact_dir) / MANIFEST_NAME, manifest, indent=2)
+    return manifest
+
+
+def publish_staged(plan: MergePlan, report: ValidationReport) -> dict[str, str]:
+    """Final self-check, normal permissions, then rename into place without ever replacing."""
+    artifact = Path(plan.artifact_dir)
+    target = Path(plan.target)
+    if sha256_file(artifact / MANIFEST_NAME) != report.manifest_sha256:
+        raise ValidationError("the staged manifest changed after validation; nothing was published")
+    if len(list_tree(artifact)) != report.files_checked:
+        raise ValidationError("the staged tree changed after validation; nothing was published")
+    make_readable(artifact)
+    rename_noreplace(artifact, target)
+    fsync_dir(target.parent)
+    shutil.rmtree(plan.staging, ignore_errors=True)
+    return {"output_dir": str(target), "manifest_path": str(target / MANIFEST_NAME)}
+
+
+@task(name="write-metadata", task_run_name="write-metadata", retries=1, retry_delay_seconds=1)
+def write_metadata(plan: MergePlan, output: OutputPlan, indexes: list[RankIndex], shards: list[ShardRecord]) -> dict[str, Any]:
+    """Write config, weight index and manifest into staging."""
+    return finalize_staging(plan, output, indexes, shards)
+
+
+@task(name="publish", task_run_name="publish")
+def publish(plan: MergePlan, report: ValidationReport) -> dict[str, str]:
+    """Atomically publish the validated staging directory as the target."""
+    return publish_staged(plan, report)

@@ -1,0 +1,188 @@
+"""Reassembling global tensors from rank shards, and proving each one bit-exact."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from prefect import task
+
+from mergeflow.errors import CastError, CheckpointError, SchemaMismatchError
+from mergeflow.fsops import FileStamp
+from mergeflow.layout import TensorLayout, plan_layouts
+from mergeflow.rank_files import load_rank_state, local_tensor
+from mergeflow.records import MergePlan, RankIndex, TensorWrite
+from mergeflow.safetensors_format import torch_dtype
+from mergeflow.schema import is_kept_in_fp32
+
+FLOATING = {"float64", "float32", "float16", "bfloat16"}
+_CHECK_ELEMENTS = 1 << 24  # finiteness is checked in slices so no full-size temporary exists
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class RankStates:
+    """The rank files of one checkpoint, opened with mmap (no private memory) and shared."""
+
+    _cache: "OrderedDict[tuple[str, FileStamp], dict[str, Any]]" = OrderedDict()
+    _lock = threading.Lock()
+    _capacity = 64
+
+    def __init__(self, actor_dir: Path, rank_files: tuple[str, ...], *, trust_checkpoint: bool = False) -> None:
+        self.paths = [actor_dir / name for name in rank_files]
+        self.trust = trust_checkpoint
+
+    def state(self, rank: int) -> dict[str, Any]:
+        path = self.paths[rank]
+        key = (str(path), FileStamp.of(path))
+        with self._lock:
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache.move_to_end(key)
+                return cached
+        state = load_rank_state(path, trust_checkpoint=self.trust)
+        with self._lock:
+            self._cache[key] = state
+            while len(self._cache) > self._capacity:
+                self._cache.popitem(last=False)
+        return state
+
+    def local(self, rank: int, key: str) -> torch.Tensor:
+        try:
+            return local_tensor(self.state(rank)[key])
+        except KeyError:
+            raise CheckpointError(f"rank file {self.paths[rank].name} no longer holds {key}; was it rewritten?") from None
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """An integer view with the same element size: equality on it is bit equality."""
+    return tensor.view(_BITS[tensor.element_size()])
+
+
+def check_finite(tensor: torch.Tensor, what: str) -> None:
+    """Refuse inf/nan in a floating tensor, scanning in bounded slices."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return
+    flat = tensor.reshape(-1)
+    for start in range(0, flat.numel(), _CHECK_ELEMENTS):
+        if not bool(torch.isfinite(flat[start : start + _CHECK_ELEMENTS]).all()):
+            raise CheckpointError(f"{what} holds inf or nan values; refusing to export a broken weight")
+
+
+def output_dtype(key: str, dtype: str, policy: str, keep_fp32: tuple[str, ...]) -> str:
+    """The dtype policy: casts touch floating tensors only; _keep_in_fp32_modules stay float32."""
+    if policy == "preserve" or dtype not in FLOATING:
+        return dtype
+    return "float32" if is_kept_in_fp32(key, keep_fp32) else policy
+
+
+def cast(tensor: torch.Tensor, dtype: str, what: str) -> torch.Tensor:
+    """Cast, refusing a cast that turns finite values into inf/nan (overflow)."""
+    target = torch_dtype(dtype)
+    if tensor.dtype == target:
+        return tensor
+    out = tensor.to(target)
+    flat = out.reshape(-1)
+    for start in range(0, flat.numel(), _CHECK_ELEMENTS):
+        if not bool(torch.isfinite(flat[start : start + _CHECK_ELEMENTS]).all()):
+            raise CastError(f"casting {what} to {dtype} overflows (values beyond the {dtype} range); use a wider --dtype")
+    return out
+
+
+def verified_chunks(layout: TensorLayout, states: RankStates) -> list[torch.Tensor]:
+    """The primary local tensor of every chunk, after checking replicas, dtype and finiteness."""
+    chunks = []
+    for chunk_index, ranks in enumerate(layout.chunk_ranks):
+        primary = states.local(ranks[0], layout.key)
+        if tuple(primary.shape) != layout.chunk_shapes[chunk_index]:
+            raise CheckpointError(f"{layout.key}: rank {ranks[0]} shard changed shape since it was indexed")
+        if str(primary.dtype).removeprefix("torch.") != layout.dtype:
+            raise CheckpointError(f"{layout.key}: rank {ranks[0]} shard has dtype {primary.dtype}, expected {layout.dtype}")
+        check_finite(primary, f"{layout.key} (rank {ranks[0]})")
+        for replica in ranks[1:]:
+            other = states.local(replica, layout.key)
+            if other.shape != primary.shape or other.dtype != primary.dtype or not torch.equal(bits(other), bits(primary)):
+                raise CheckpointError(
+                    f"{layout.key}: rank {replica} and rank {ranks[0]} should hold identical replicas but differ"
+                )
+        chunks.append(primary)
+    return chunks
+
+
+def global_pieces(layout: TensorLayout, chunks: list[torch.Tensor], out_dtype: str, name: str) -> Iterator[torch.Tensor]:
+    """Contiguous tensors whose bytes, concatenated, are the global tensor in `out_dtype`.
+
+    For Shard(0) (and replicated tensors) these are the rank-local tensors themselves, so
+    no global copy is ever built; other shard dims are concatenated (bounded by one tensor).
+    """
+    if layout.shard_dim is None:
+        yield cast(chunks[0], out_dtype, name).contiguous()
+        return
+    if layout.shard_dim == 0 or all(s == 1 for s in layout.shape[: layout.shard_dim]):
+        for piece in chunks:
+            if piece.numel():
+                yield cast(piece, out_dtype, name).contiguous()
+        return
+    yield cast(torch.cat(chunks, dim=layout.shard_dim), out_dtype, name).contiguous()
+
+
+def verify_round_trip(layout: TensorLayout, written: torch.Tensor, chunks: list[torch.Tensor], out_dtype: str, name: str) -> None:
+    """Re-slice the written tensor like torch.chunk did and compare every shard bit for bit."""
+    if tuple(written.shape) != layout.shape:
+        raise CheckpointError(f"{name}: written shape {list(written.shape)} differs from {list(layout.shape)}")
+    if layout.shard_dim is None:
+        pieces = [written]
+    else:
+        sizes = [s[layout.shard_dim] for s in layout.chunk_shapes]
+        pieces = list(torch.split(written, sizes, dim=layout.shard_dim))
+    for index, (piece, local) in enumerate(zip(pieces, chunks)):
+        expected = cast(local, out_dtype, name)
+        if piece.shape != expected.shape or not torch.equal(bits(piece), bits(expected)):
+            raise CheckpointError(f"{name}: round trip failed, chunk {index} of the written tensor differs from its rank shard")
+
+
+def strip_wrappers(key: str) -> str:
+    """State-dict key without FSDP1 wrapper segments."""
+    return key.replace("_fsdp_wrapped_module.", "")
+
+
+def plan_tensor_writes(plan: MergePlan, indexes: list[RankIndex]) -> list[TensorWrite]:
+    """Layouts for every key, checked against the base schema: exact coverage and shapes."""
+    layouts = plan_layouts([ix.entries for ix in sorted(indexes, key=lambda ix: ix.rank)])
+    by_name: dict[str, TensorLayout] = {}
+    for key, layout in layouts.items():
+        name = strip_wrappers(key)
+        if name in by_name:
+            raise CheckpointError(f"keys {by_name[name].key} and {key} name the same tensor after removing FSDP wrappers")
+        by_name[name] = layout
+    check_coverage(plan.expected_shapes, {n: l.shape for n, l in by_name.items()})
+    policy = plan.config["dtype"]
+    return [
+        TensorWrite(name, layout.key, layout, output_dtype(name, layout.dtype, policy, plan.keep_fp32))
+        for name, layout in sorted(by_name.items())
+    ]
+
+
+def check_coverage(expected: dict[str, tuple[int, ...]], actual: dict[str, tuple[int, ...]]) -> None:
+    """The checkpoint must hold exactly the base's tensors, with the same shapes."""
+    missing = sorted(set(expected) - set(actual))
+    extra = sorted(set(actual) - set(expected))
+    if missing:
+        raise SchemaMismatchError(
+            f"the checkpoint lacks {len(missing)} tensor(s) the base model has (e.g. {', '.join(missing[:3])}); "
+            "missing weights are never filled from the base"
+        )
+    if extra:
+        raise SchemaMismatchError(f"the checkpoint has {len(extra)} tensor(s) the base model does not (e.g. {', '.join(extra[:3])})")
+    for name in sorted(expected):
+        if tuple(expected[name]) != tuple(actual[name]):
+            raise SchemaMismatchError(f"{name} has shape {list(actual[name])} in the checkpoint but {list(expected[name])} in the base")
+
+
+@task(name="plan-reconstruction", task_run_name="plan-reconstruction")
+def plan_reconstruction(plan: MergePlan, indexes: list[RankIndex]) -> list[TensorWrite]:
+    """Check how every tensor is spread over the ranks and that it matches the base schema."""
+    return plan_tensor_writes(plan, indexes)

@@ -1,0 +1,261 @@
+"""Streaming safetensors shards: header first, bytes from the mmapped rank files, hashed inline."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from prefect import task
+
+from mergeflow.errors import CheckpointError, DiskFullError
+from mergeflow.fsops import sha256_file
+from mergeflow.jsonfiles import write_json_durable
+from mergeflow.manifest import fingerprint
+from mergeflow.records import MergePlan, OutputPlan, ShardPlan, ShardRecord, TensorWrite
+from mergeflow.safetensors_format import DTYPES, build_header, nbytes, read_header, torch_dtype
+from mergeflow.tasks.common import retry_transient
+from mergeflow.tasks.reconstruct import RankStates, global_pieces, verified_chunks, verify_round_trip
+
+WRITE_BLOCK = 16 * 1024 * 1024
+HEADER_METADATA = {"format": "pt"}
+
+# Callbacks (bytes, tensors) for a progress display in the same process; empty by default.
+PROGRESS_HOOKS: list[Callable[[int, int], None]] = []
+
+
+def shard_file_name(weights_name: str, index: int, count: int) -> str:
+    if count == 1:
+        return weights_name
+    stem = weights_name.removesuffix(".safetensors")
+    return f"{stem}-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def pack_shards(writes: list[TensorWrite], max_shard_size: int, weights_name: str, plan_fingerprint: str) -> OutputPlan:
+    """Greedy packing in sorted name order; a tensor above the budget gets a shard of its own."""
+    groups: list[list[TensorWrite]] = []
+    current: list[TensorWrite] = []
+    size = 0
+    for tw in sorted(writes, key=lambda w: w.name):
+        n = nbytes(tw.out_dtype, tw.layout.shape)
+        if current and size + n > max_shard_size:
+            groups.append(current)
+            current, size = [], 0
+        current.append(tw)
+        size += n
+    if current or not groups:
+        groups.append(current)
+    shards = []
+    for i, group in enumerate(groups):
+        name = shard_file_name(weights_name, i, len(groups))
+        body = [(asdict(tw), i) for tw in group]
+        shards.append(
+            ShardPlan(
+                index=i,
+                file_name=name,
+                tensors=tuple(group),
+                nbytes=sum(nbytes(t.out_dtype, t.layout.shape) for t in group),
+                fingerprint=fingerprint([plan_fingerprint, name, body, "write-v1"]),
+            )
+        )
+    total = sum(s.nbytes for s in shards)
+    return OutputPlan(shards=tuple(shards), total_size=total, tensor_count=len(writes), indexed=len(groups) > 1)
+
+
+def file_order(tensors: tuple[TensorWrite, ...]) -> list[TensorWrite]:
+    """Data order inside a file: widest elements first so every tensor stays aligned."""
+    return sorted(tensors, key=lambda t: (-DTYPES[t.out_dtype][1], t.name))
+
+
+def _write_all(fd: int, view: memoryview, digest: Any) -> None:
+    for start in range(0, len(view), WRITE_BLOCK):
+        block = view[start : start + WRITE_BLOCK]
+        digest.update(block)
+        while len(block):
+            written = os.write(fd, block)
+            block = block[written:]
+
+
+def _as_bytes(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+_DISK_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+
+
+def write_shard_file(shard: ShardPlan, states: RankStates, artifact_dir: Path, work_dir: Path) -> ShardRecord:
+    """Write one shard (or reuse a verified one from an earlier attempt) and round-trip verify it."""
+    try:
+        return _write_shard_file(shard, states, artifact_dir, work_dir)
+    except OSError as exc:
+        if exc.errno in _DISK_FULL:
+            raise DiskFullError(
+                f"no space left while writing {shard.file_name} ({os.strerror(exc.errno)}); free space on "
+                f"{artifact_dir.parent} and rerun the same command to resume"
+            ) from None
+        raise
+
+
+def _write_shard_file(shard: ShardPlan, states: RankStates, artifact_dir: Path, work_dir: Path) -> ShardRecord:
+    record_path = work_dir / f"shard-{shard.index:05d}.json"
+    final = artifact_dir / shard.file_name
+    reused = _reusable(record_path, final, shard)
+    if reused is not None:
+        return reused
+    ordered = file_order(shard.tensors)
+    header, entries = build_header([(t.name, t.out_dtype, t.layout.shape) for t in ordered], HEADER_METADATA)
+    partial = work_dir / f"{shard.file_name}.partial"
+    digest = hashlib.sha256()
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _write_all(fd, memoryview(header), digest)
+        for tw in ordered:
+            chunks = verified_chunks(tw.layout, states)
+            written = 0
+            for piece in global_pieces(tw.layout, chunks, tw.out_dtype, tw.name):
+                view = _as_bytes(piece)
+                _write_all(fd, view, digest)
+                written += len(view)
+            if written != entries[tw.name].end - entries[tw.name].begin:
+                raise CheckpointError(f"{tw.name}: wrote {written} bytes, expected {entries[tw.name].end - entries[tw.name].begin}")
+            for hook in PROGRESS_HOOKS:
+                hook(written, 1)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    verify_written_shard(partial, shard, states)
+    os.replace(partial, final)
+    record = ShardRecord(
+        file_name=shard.file_name,
+        sha256=digest.hexdigest(),
+        size=final.stat().st_size,
+        tensors={t.name: (t.out_dtype, t.layout.shape) for t in ordered},
+        plan_fingerprint=shard.fingerprint,
+    )
+    write_json_durable(record_path, asdict(record))
+    return record
+
+
+def open_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Map a safetensors file read-only-in-effect (MAP_PRIVATE) and view each tensor in it."""
+    entries, metadata, data_start = read_header(path)
+    if metadata != HEADER_METADATA:
+        raise CheckpointError(f"{path.name}: header metadata is {metadata}, expected {HEADER_METADATA}")
+    size = path.stat().st_size
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        raw = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
+    out = {}
+    for name, e in entries.items():
+        out[name] = raw[data_start + e.begin : data_start + e.end].view(torch_dtype(e.dtype)).reshape(e.shape)
+    return out
+
+
+def verify_written_shard(path: Path, shard: ShardPlan, states: RankStates) -> None:
+    """Layers 2 and 3: reopen the written file and compare every tensor with every rank shard."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        names = set(handle.keys())
+        for tw in shard.tensors:
+            if tw.name not in names:
+                raise CheckpointError(f"{path.name}: {tw.name} is missing after writing")
+            sl = handle.get_slice(tw.name)
+            if tuple(sl.get_shape()) != tw.layout.shape or sl.get_dtype() != DTYPES[tw.out_dtype][0]:
+                raise CheckpointError(f"{path.name}: {tw.name} was written with the wrong shape or dtype")
+    if names != {t.name for t in shard.tensors}:
+        raise CheckpointError(f"{path.name}: holds tensors that were not planned")
+    tensors = open_tensors(path)
+    for tw in shard.tensors:
+        verify_round_trip(tw.layout, tensors[tw.name], verified_chunks(tw.layout, states), tw.out_dtype, tw.name)
+
+
+def _reusable(record_path: Path, final: Path, shard: ShardPlan) -> ShardRecord | None:
+    """A shard from an earlier attempt counts only if its record matches and its bytes hash the same."""
+    if not record_path.is_file() or not final.is_file():
+        return None
+    try:
+        data = json.loads(record_path.read_text())
+        record = ShardRecord(
+            file_name=data["file_name"],
+            sha256=data["sha256"],
+            size=data["size"],
+            tensors={k: (v[0], tuple(v[1])) for k, v in data["tensors"].items()},
+            plan_fingerprint=data["plan_fingerprint"],
+        )
+    except (ValueError, KeyError, TypeError, IndexError):
+        return None
+    if record.plan_fingerprint != shard.fingerprint or final.stat().st_size != record.size:
+        return None
+    if sha256_file(final) != record.sha256:
+        return None
+    return record
+
+
+def _shard_cache_key(context: Any, parameters: dict[str, Any]) -> str:
+    # The staged file's stamp is part of the key: a deleted or altered shard is a cache miss,
+    # so a retry rewrites it instead of trusting a stale cached record.
+    plan: MergePlan = parameters["plan"]
+    shard: ShardPlan = parameters["shard"]
+    final = Path(plan.tensor_dir) / shard.file_name
+    try:
+        st = final.stat()
+        stamp = f"{st.st_size}-{st.st_mtime_ns}-{st.st_ino}"
+    except FileNotFoundError:
+        stamp = "absent"
+    return "shard-" + hashlib.sha256(f"{plan.staging}|{shard.fingerprint}|{stamp}".encode()).hexdigest()
+
+
+@task(
+    name="write-shard",
+    task_run_name="write-shard-{shard.index:05d}",
+    retries=2,
+    retry_delay_seconds=1,
+    retry_condition_fn=retry_transient,
+    cache_key_fn=_shard_cache_key,
+    persist_result=True,
+)
+def write_shard(plan: MergePlan, shard: ShardPlan) -> ShardRecord:
+    """Reconstruct, verify and stream one output shard into the staging directory."""
+    states = RankStates(Path(plan.actor_dir), plan.rank_files, trust_checkpoint=bool(plan.config.get("trust_checkpoint")))
+    artifact_dir = Path(plan.tensor_dir)
+    artifact_dir.mkdir(parents=True, exist_ok=True)
+    work_dir = Path(plan.work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    return write_shard_file(shard, states, artifact_dir, work_dir)
+
+
+PATH_KEYS = ("_name_or_path", "name_or_path")
+
+
+def write_component_config(src: Path, dst: Path) -> tuple[bytes, list[str]]:
+    """Copy a config.json, dropping keys that would leak a local path; returns (bytes, removed keys)."""
+    raw = src.read_bytes()
+    data = json.loads(raw)
+    removed = [k for k in PATH_KEYS if k in data]
+    if removed:
+        for key in removed:
+            del data[key]
+        # Diffusers' own save_config format, so the file reads like any saved model's.
+        raw = (json.dumps(data, indent=2, sort_keys=True) + "\n").encode("utf-8")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    from mergeflow.jsonfiles import write_bytes_durable
+
+    write_bytes_durable(dst, raw)
+    return raw, removed
+
+
+def write_weight_index(output: OutputPlan, weights_name: str, tensor_dir: Path) -> bytes | None:
+    """The Diffusers index file for multi-shard output (None for a single file)."""
+    if not output.indexed:
+        return None
+    weight_map = {t.name: s.file_name for s in output.shards for t in s.tensors}
+    index = {"metadata": {"total_size": output.total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    return write_json_durable(tensor_dir / f"{weights_name}.index.json", index, indent=2)

@@ -1,0 +1,37 @@
+"""Test environment: offline Hugging Face, a private PREFECT_HOME, one real Prefect server."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+# Before anything imports huggingface_hub or prefect (both read these at import time).
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="mergeflow-tests-prefect-")
+os.environ.pop("PREFECT_API_URL", None)
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import pytest  # noqa: E402
+
+from prefect_server import PrefectServer, start_prefect_server  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
+    """One real `prefect server start` on 127.0.0.1 for the whole session, stopped at the end."""
+    with start_prefect_server(tmp_path_factory.mktemp("prefect")) as server:
+        yield server
+
+
+@pytest.fixture()
+def prefect_api(prefect_server: PrefectServer) -> Iterator[PrefectServer]:
+    """Run flows of this test in-process against the session's server."""
+    with prefect_server.activated():
+        yield prefect_server

@@ -1,0 +1,129 @@
+"""A real, throw-away Prefect server for tests: `with start_prefect_server(tmp_path) as server`."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+# Faster event persistence than the 5 s default, so tests that read events back wait less.
+_SERVER_SETTINGS = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "PREFECT_SERVER_UI_ENABLED": "false",
+    "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_FLUSH_INTERVAL": "0.5",
+    "PREFECT_LOGGING_LEVEL": "WARNING",
+}
+
+
+@dataclass(frozen=True)
+class PrefectServer:
+    """A running `prefect server start` subprocess with its own PREFECT_HOME and SQLite file."""
+
+    api_url: str
+    home: Path
+    log_path: Path
+    process: subprocess.Popen[bytes]
+
+    def client_env(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        """Environment for a child process that should talk to this server."""
+        env = _without_prefect_vars(dict(os.environ) if base is None else base)
+        env["PREFECT_HOME"] = str(self.home)
+        env["PREFECT_API_URL"] = self.api_url
+        env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+        return env
+
+    @contextlib.contextmanager
+    def activated(self) -> Iterator[None]:
+        """Point this process's Prefect settings at the server for the duration of the block."""
+        # Prefect reads the environment once at import; a settings context is the
+        # supported way to change PREFECT_API_URL inside a running process.
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings(updates={PREFECT_API_URL: self.api_url}):
+            yield
+
+    def log_tail(self, chars: int = 4000) -> str:
+        """The end of the server's combined stdout/stderr, for failure messages."""
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+
+def _without_prefect_vars(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if not k.startswith("PREFECT_")}
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _healthy(api_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{api_url}/health", timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return False
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is not None:
+        return
+    # The server spawns helpers (uvicorn, services); the whole session must go.
+    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@contextlib.contextmanager
+def start_prefect_server(tmp_path: Path, *, startup_timeout: float = 90.0) -> Iterator[PrefectServer]:
+    """Start `prefect server start` on a free port with a temp PREFECT_HOME; stop it on exit."""
+    home = Path(tmp_path) / "prefect-home"
+    home.mkdir(parents=True, exist_ok=True)
+    log_path = home / "server.log"
+    port = free_port()
+    api_url = f"http://127.0.0.1:{port}/api"
+    env = _without_prefect_vars(dict(os.environ))
+    env.update(_SERVER_SETTINGS)
+    env["PREFECT_HOME"] = str(home)
+    env["PREFECT_API_DATABASE_CONNECTION_URL"] = f"sqlite+aiosqlite:///{home / 'prefect.db'}"
+    command = [
+        sys.executable, "-m", "prefect", "server", "start",
+        "--host", "127.0.0.1", "--port", str(port), "--no-ui", "--analytics-off",
+    ]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            command, env=env, stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+    server = PrefectServer(api_url=api_url, home=home, log_path=log_path, process=process)
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while not _healthy(api_url):
+            if process.poll() is not None:
+                raise RuntimeError(f"prefect server exited with {process.returncode}:\n{server.log_tail()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"prefect server not healthy after {startup_timeout} s:\n{server.log_tail()}")
+            time.sleep(0.25)
+        yield server
+    finally:
+        _stop(process)
