@@ -5,17 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from prefect.task_runners import ThreadPoolTaskRunner
-
 from mergeflow.config import MergeResult, ModelMergerConfig
 from mergeflow.flows.merge import merge_flow
+from mergeflow.flows.runners import make_task_runner
 from mergeflow.flows.validate import validate_flow
 
 
-def merge_model(config: ModelMergerConfig) -> MergeResult:
-    """Run the merge flow for `config` and return where the artifact was published."""
+def merge_model(config: ModelMergerConfig, *, task_runner: str = "thread", dask_address: str | None = None) -> MergeResult:
+    """Run the merge flow for `config` (threads, or Dask with task_runner="dask") and return where it was published."""
     config.validate()
-    runner = ThreadPoolTaskRunner(max_workers=config.workers)
+    runner = make_task_runner(task_runner, workers=config.workers, dask_address=dask_address)
     result = merge_flow.with_options(task_runner=runner)(config=config)
     return MergeResult(output_dir=result["output_dir"], manifest_path=result["manifest_path"], upload=result.get("upload"))
 

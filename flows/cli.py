@@ -12,6 +12,7 @@ from typing import Any
 
 from mergeflow.config import DEFAULT_MAX_SHARD_SIZE, ModelMergerConfig
 from mergeflow.errors import MergeflowError
+from mergeflow.flows.ops_cli import OPS_COMMANDS, add_ops_commands, add_task_runner_flags
 
 
 def _flag(parser: argparse.ArgumentParser, *names: str, **kwargs: Any) -> None:
@@ -60,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(merge, "--component", default="transformer", help="pipeline component the checkpoint replaces")
     _flag(merge, "--qkv-layout", "--qkv_layout", dest="qkv_layout", default="interleaved", choices=["interleaved", "stacked"])
     _flag(merge, "--workers", type=int, default=2, help="parallel shard writers")
+    add_task_runner_flags(merge)
 
     test = sub.add_parser("test", help="validate a published artifact without its source")
     _common(test)
@@ -70,9 +72,22 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(inspect, "--trust-checkpoint", "--trust_checkpoint", dest="trust_checkpoint", action="store_true")
     _flag(inspect, "--debug", action="store_true")
 
+    upload = sub.add_parser("upload", help="upload (or re-upload) a published artifact to the Hub and verify it")
+    _flag(upload, "--test_hf_dir", "--test-hf-dir", dest="test_hf_dir", required=True)
+    _flag(upload, "--hf_upload_path", "--hf-upload-path", dest="hf_upload_path", required=True)
+    _flag(upload, "--private", action="store_true")
+    _flag(upload, "--debug", action="store_true")
+
+    verify = sub.add_parser("verify-upload", help="check that a Hub repo holds exactly a published artifact")
+    _flag(verify, "--test_hf_dir", "--test-hf-dir", dest="test_hf_dir", required=True)
+    _flag(verify, "--hf_upload_path", "--hf-upload-path", dest="hf_upload_path", required=True)
+    _flag(verify, "--revision", default=None)
+    _flag(verify, "--debug", action="store_true")
+
     demo = sub.add_parser("demo", help="build a tiny checkpoint, export and validate it")
     _flag(demo, "--workdir", help="where to build it (default: a new temp dir)")
     _flag(demo, "--debug", action="store_true")
+    add_ops_commands(sub)
     return parser
 
 
@@ -98,7 +113,7 @@ def cmd_merge(args: argparse.Namespace) -> dict[str, Any]:
 
     config = _config_from(args, "merge")
     with stderr_progress():
-        result = merge_model(config)
+        result = merge_model(config, task_runner=args.task_runner, dask_address=args.dask_address)
     out: dict[str, Any] = {"output_dir": result.output_dir, "manifest_path": result.manifest_path}
     if result.upload is not None:
         out["upload"] = result.upload
@@ -119,6 +134,18 @@ def cmd_inspect(args: argparse.Namespace) -> dict[str, Any]:
     return describe_checkpoint(Path(args.local_dir), trust_checkpoint=args.trust_checkpoint)
 
 
+def cmd_upload(args: argparse.Namespace) -> dict[str, Any]:
+    from mergeflow.flows.upload import upload_flow
+
+    return upload_flow(test_hf_dir=args.test_hf_dir, hf_upload_path=args.hf_upload_path, private=args.private)
+
+
+def cmd_verify_upload(args: argparse.Namespace) -> dict[str, Any]:
+    from mergeflow.flows.upload import verify_upload_flow
+
+    return verify_upload_flow(test_hf_dir=args.test_hf_dir, hf_upload_path=args.hf_upload_path, revision=args.revision)
+
+
 def cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
     from mergeflow.flows.demo import run_demo
 
@@ -130,7 +157,13 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "test": cmd_test,
     "inspect": cmd_inspect,
     "demo": cmd_demo,
+    "upload": cmd_upload,
+    "verify-upload": cmd_verify_upload,
+    **OPS_COMMANDS,
 }
+
+# Published locally, but the requested Hub upload failed: distinct from a failed export.
+EXIT_UPLOAD_FAILED = 3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     debug = bool(getattr(args, "debug", False))
     _quiet_prefect(debug)
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    # huggingface_hub's tqdm bars would interleave with our own progress line.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         result = COMMANDS[args.command](args)
     except MergeflowError as exc:
@@ -157,4 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     sys.stdout.flush()
     print(json.dumps(result))
+    upload = result.get("upload")
+    if isinstance(upload, dict) and upload.get("status") == "failed":
+        print(f"mergeflow: error: published locally, but the upload failed: {upload.get('error')}", file=sys.stderr)
+        return EXIT_UPLOAD_FAILED
     return 0

@@ -10,14 +10,18 @@ from prefect.futures import as_completed
 from prefect.runtime import flow_run
 
 from mergeflow.config import ModelMergerConfig
-from mergeflow.errors import MergeflowError
+from mergeflow.errors import MergeflowError, UploadError
 from mergeflow.fsops import TargetLock
 from mergeflow.paths import check_target
 from mergeflow.records import MergePlan, ShardRecord
+from mergeflow.adapters import convert_writes
+from mergeflow.tasks.copy import copy_components
 from mergeflow.tasks.inspect import inspect_inputs
 from mergeflow.tasks.load import load_rank_shards
+from mergeflow.tasks.lora import plan_lora, plan_lora_writes, write_lora_adapter
 from mergeflow.tasks.publish import publish, write_metadata
 from mergeflow.tasks.reconstruct import plan_reconstruction
+from mergeflow.tasks.upload import upload_to_hub
 from mergeflow.tasks.validate import validate_staged_task
 from mergeflow.tasks.write import pack_shards, write_shard
 from mergeflow.flows.artifacts import publish_manifest_artifacts, report_progress, start_progress
@@ -36,7 +40,14 @@ def run_export(plan: MergePlan) -> tuple[dict[str, str], dict[str, Any]]:
     rank_futures = [load_rank_shards.submit(plan, rank) for rank in range(plan.world_size)]
     indexes = [f.result() for f in rank_futures]
     logger.info("Indexed %d rank files of world size %d", len(indexes), plan.world_size)
-    writes = plan_reconstruction(plan, indexes)
+    lora = plan_lora(plan, indexes) if plan.lora is not None else None
+    adapter = write_lora_adapter(plan, lora, indexes) if lora is not None and lora.exports_adapter else None
+    if lora is not None and not lora.writes_model:  # a LoRA-only adapter export: lora_adapter/ is the artifact
+        return publish(plan, validate_staged_task(plan, adapter.manifest)), adapter.manifest
+    writes = plan_lora_writes(plan, lora, indexes) if lora is not None else plan_reconstruction(plan, indexes)
+    writes = convert_writes(plan.extras, writes)  # architecture adapters (native MiniMax H3); else unchanged
+    # Pipeline assets are copied while the shards are written.
+    copy_future = copy_components.submit(plan) if plan.copy_files else None
     output = pack_shards(writes, plan.config["max_shard_size"], plan.weights_name, plan.fingerprint)
     progress = start_progress(plan, len(output.shards))
     futures = [write_shard.submit(plan, shard) for shard in output.shards]
@@ -47,7 +58,10 @@ def run_export(plan: MergePlan) -> tuple[dict[str, str], dict[str, Any]]:
         report_progress(progress, len(records), len(futures))
     ordered = [records[s.file_name] for s in output.shards]
     logger.info("Wrote %d shard(s), %d tensors, %d bytes", len(ordered), output.tensor_count, output.total_size)
-    manifest = write_metadata(plan, output, indexes, ordered)
+    copied = copy_future.result() if copy_future is not None else None
+    extra_files = (list(adapter.files) if adapter else []) + (list(copied.files) if copied else [])
+    manifest = write_metadata(plan, output, indexes, ordered, extra_files or None,
+                              lora.fusion_record() if lora else None)
     report = validate_staged_task(plan, manifest)
     result = publish(plan, report)
     return result, manifest
@@ -67,4 +81,15 @@ def merge_flow(config: ModelMergerConfig) -> dict[str, Any]:
     finally:
         lock.release()
     publish_manifest_artifacts(plan, manifest, result["output_dir"])
+    if config.hf_upload_path:
+        result["upload"] = upload_published(result["output_dir"], config.hf_upload_path, config.private)
     return result
+
+
+def upload_published(output_dir: str, repo_id: str, private: bool) -> dict[str, Any]:
+    """Upload after local publication; a failure is reported, never undoes the local artifact."""
+    try:
+        return {"status": "uploaded", **upload_to_hub(output_dir, repo_id, private)}
+    except UploadError as exc:
+        get_run_logger().error("Upload to %s failed: %s", repo_id, exc)
+        return {"status": "failed", "repo_id": repo_id, "error": str(exc)}

@@ -27,6 +27,7 @@ from mergeflow.errors import UsageError
 from mergeflow.flows.watch_state import STATE_FILE_NAME, WatchState
 
 _STEP_DIR = re.compile(r"global_step_(\d+)")
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
 _MODEL_RANK_FILE = re.compile(r"model_world_size_(\d+)_rank_(\d+)\.pt")
 # Bursts of write notifications (a rank file streaming to disk) collapse into one scan.
 _MIN_SCAN_INTERVAL = 0.1
@@ -139,7 +140,29 @@ def _inspect_file_set(actor_dir: Path, fingerprint: str) -> CheckpointSnapshot:
         return not_ready("huggingface/config.json is not written yet")
     except (OSError, ValueError):
         return not_ready("huggingface/config.json is not valid JSON (yet)")
+    behind = _tracker_behind(actor_dir)
+    if behind:
+        return not_ready(behind)
     return CheckpointSnapshot(True, "", False, fingerprint)
+
+
+def _tracker_behind(actor_dir: Path) -> str:
+    """Why verl's latest_checkpointed_iteration.txt says this step is not saved yet ('' if it does not).
+
+    verl writes the tracker beside global_step_N/ after every rank has saved step N. Without a
+    tracker (other trainers) or with an unreadable one, the file-set checks decide alone.
+    """
+    match = _STEP_DIR.fullmatch(actor_dir.parent.name)
+    if match is None:
+        return ""
+    try:
+        latest = int((actor_dir.parent.parent / TRACKER_FILE).read_text(encoding="utf-8").strip())
+    except (OSError, ValueError):
+        return ""
+    step = int(match.group(1))
+    if step > latest:
+        return f"{TRACKER_FILE} says step {latest}; training has not finished saving step {step}"
+    return ""
 
 
 def checkpoint_is_complete(actor_dir: str | os.PathLike[str], *, stable_seconds: float) -> bool:

@@ -119,7 +119,9 @@ class TargetLock:
             except FileNotFoundError:
                 same = False
             if same:
-                os.write(fd, f"{os.getpid()}\n".encode())
+                # A killed holder leaves its pid behind (the kernel drops its flock, not the file).
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
                 self._fd = fd
                 return self
             os.close(fd)

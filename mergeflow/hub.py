@@ -11,7 +11,6 @@ downloading and hashing them. The local artifact is only ever read.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -19,19 +18,21 @@ import re
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, get_token
 from huggingface_hub.hf_api import CommitInfo, RepoFile
 
-from mergeflow.errors import UploadError, UploadVerificationError
+from mergeflow.errors import PathSafetyError, UploadError, UploadVerificationError
+from mergeflow.fsops import sha256_file
+from mergeflow.manifest import MANIFEST_NAME
+from mergeflow.paths import check_relative_name
 from mergeflow.hub_retry import call_with_retries
 
 logger = logging.getLogger(__name__)
 
-MANIFEST_NAME = "merge_manifest.json"
 # The Hub writes .gitattributes into every new repo; it is the Hub's, not the artifact's.
 HUB_MANAGED_FILES = frozenset({".gitattributes"})
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -67,17 +68,12 @@ class ArtifactFiles:
         return sum(size for _, size in self.expected.values())
 
 
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _is_safe_relative(path: str) -> bool:
-    parts = path.split("/")
-    return bool(path) and "\\" not in path and not path.startswith("/") and all(p not in ("", ".", "..") for p in parts)
+    try:
+        check_relative_name(path, MANIFEST_NAME)
+    except PathSafetyError:
+        return False
+    return True
 
 
 def read_artifact_files(artifact_dir: Path) -> ArtifactFiles:
@@ -109,7 +105,7 @@ def read_artifact_files(artifact_dir: Path) -> ArtifactFiles:
                 "artifact; check the artifact with `mergeflow test --test_hf_dir` and export it again."
             )
         expected[rel] = (digest, local.stat().st_size)
-    expected[MANIFEST_NAME] = (_sha256_file(manifest_path), manifest_path.stat().st_size)
+    expected[MANIFEST_NAME] = (sha256_file(manifest_path), manifest_path.stat().st_size)
     architecture = manifest.get("architecture")
     title = f"Upload mergeflow artifact ({architecture})" if isinstance(architecture, str) else "Upload mergeflow artifact"
     return ArtifactFiles(root=root, expected=expected, commit_title=title)
@@ -173,7 +169,7 @@ def _verify(api: HfApi, artifact: ArtifactFiles, repo_id: str, revision: str | N
         with tempfile.TemporaryDirectory(prefix="mergeflow-verify-") as cache:
             for path in to_download:
                 local = retry(lambda p=path: api.hf_hub_download(repo_id, p, revision=sha, cache_dir=cache), what=f"Downloading {path} to verify it")
-                got = _sha256_file(Path(local))
+                got = sha256_file(Path(local))
                 if got != expected[path][0]:
                     differing.append(f"{path} (content sha256 {got[:12]}... on the Hub, {expected[path][0][:12]}... in the manifest)")
     if missing or unexpected or differing:

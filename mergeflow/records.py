@@ -40,6 +40,7 @@ class MergePlan:
     fingerprint: str
     lora: dict[str, Any] | None = None
     extras: dict[str, Any] = field(default_factory=dict)
+    copy_files: tuple[str, ...] = ()  # base files copied into the artifact (pipeline output)
 
     @property
     def artifact_dir(self) -> str:
@@ -86,6 +87,7 @@ class ShardPlan:
     tensors: tuple[TensorWrite, ...]
     nbytes: int
     fingerprint: str
+    metadata: dict[str, str] | None = None  # safetensors header metadata; None means {"format": "pt"}
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,14 @@ class FileRecord:
     sha256: str
     size: int
     origin: str  # "written" | "copied"
+
+
+@dataclass(frozen=True)
+class CopyResult:
+    """The copied base files, and the local-path keys removed from copied configs."""
+
+    files: tuple[FileRecord, ...]
+    removed_keys: dict[str, list[str]]
 
 
 @dataclass(frozen=True)

@@ -10,22 +10,14 @@ from prefect import task
 from mergeflow.architectures import BaseLayout, detect_base
 from mergeflow.checkpoint import FSDP_CONFIG, LORA_META, read_fsdp_config, rank_file_names
 from mergeflow.config import ModelMergerConfig
-from mergeflow.errors import BaseModelError, CheckpointError, NotSupportedYet, SchemaMismatchError, UsageError
+from mergeflow.errors import CheckpointError, NotSupportedYet, UsageError
 from mergeflow.fsops import FileStamp, sha256_file
 from mergeflow.manifest import fingerprint
 from mergeflow.paths import check_no_overlap, check_target, lock_path_for, staging_dir_for
 from mergeflow.records import MergePlan
-from mergeflow.schema import (
-    base_weight_headers,
-    config_differences,
-    diffusers_model_class,
-    expected_tensors,
-    keep_in_fp32_modules,
-    meta_model,
-    read_model_config,
-)
-
-WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
+from mergeflow.schema import read_model_config
+from mergeflow.tasks.lora_inspect import detect_lora, finish_lora_spec, inspect_adapter_export
+from mergeflow.tasks.targets import diffusers_schema, pipeline_target, transformer_target
 
 
 def resolve_inputs(config: ModelMergerConfig) -> dict[str, Path]:
@@ -50,34 +42,20 @@ def resolve_inputs(config: ModelMergerConfig) -> dict[str, Path]:
 
 def refuse_unsupported(config: ModelMergerConfig, layout: BaseLayout, actor: Path) -> None:
     """Features whose issues have not landed answer with a clear error, never a half export."""
-    if config.output_format == "pipeline":
-        if layout.kind != "pipeline":
-            raise UsageError("--output_format pipeline needs a base pipeline (a directory with model_index.json); "
-                             "use --output_format transformer for a standalone transformer base")
-        raise NotSupportedYet("--output_format pipeline is not supported yet; use --output_format transformer")
-    if (actor / LORA_META).exists() or config.fuse_lora:
-        raise NotSupportedYet("LoRA checkpoints (lora_train_meta.json, --fuse-lora) are not supported yet")
-    if config.hf_upload_path:
-        raise NotSupportedYet("--hf_upload_path is not supported yet; upload the published directory with `hf upload`")
+    if config.output_format == "pipeline" and layout.kind != "pipeline":
+        raise UsageError("--output_format pipeline needs a base pipeline (a directory with model_index.json); "
+                         "use --output_format transformer for a standalone transformer base")
 
 
-def _schema(actor_config: dict[str, Any], base_config: dict[str, Any]) -> tuple[type, dict[str, tuple[int, ...]]]:
-    actor_class, base_class = actor_config.get("_class_name"), base_config.get("_class_name")
-    if not isinstance(actor_class, str):
-        raise CheckpointError("huggingface/config.json of the checkpoint has no _class_name")
-    if actor_class != base_class:
-        raise SchemaMismatchError(f"the checkpoint is a {actor_class} but the base transformer is a {base_class}")
-    cls = diffusers_model_class(actor_class)
-    actor_meta, base_meta = meta_model(cls, actor_config), meta_model(cls, base_config)
-    diffs = config_differences(cls, actor_meta, base_meta)
-    if diffs:
-        raise SchemaMismatchError(f"checkpoint and base configs differ on {len(diffs)} field(s): {'; '.join(diffs[:3])}")
-    return cls, {k: v.shape for k, v in expected_tensors(base_meta).items()}
+_schema = diffusers_schema  # same class, equal constructor fields; the base meta module's tensors
 
 
 def inspect_merge(config: ModelMergerConfig) -> MergePlan:
     """Decide everything about an export from metadata alone, refusing bad input early."""
     config.validate()
+    lora = detect_lora(config)  # None without LoRA; LoRA faults are refused here, before any output
+    if lora is not None and lora.adapter_only:
+        return inspect_adapter_export(config, lora)  # a LoRA-only adapter needs no local base
     paths = resolve_inputs(config)
     actor, base, target = paths["actor"], paths["base"], paths["target"]
     fsdp = read_fsdp_config(actor)
@@ -86,16 +64,19 @@ def inspect_merge(config: ModelMergerConfig) -> MergePlan:
     refuse_unsupported(config, layout, actor)
     actor_config_path = paths["config_dir"] / "config.json"
     actor_config = read_model_config(actor_config_path, CheckpointError, "huggingface/config.json of the checkpoint")
-    component_dir = layout.transformer_dir
-    base_config_path = component_dir / "config.json"
-    base_config = read_model_config(base_config_path, BaseModelError, f"{base_config_path.relative_to(base)} of the base")
-    cls, expected = _schema(actor_config, base_config)
-    headers = base_weight_headers(component_dir, weights_name=WEIGHTS_NAME)
-    if {k: tuple(v[1]) for k, v in headers.items()} != {k: tuple(v) for k, v in expected.items()}:
-        raise BaseModelError(f"the base's {cls.__name__} weights do not match its own config.json; the base is damaged")
-    inputs = [actor / FSDP_CONFIG, actor_config_path, base_config_path] + [actor / n for n in rank_files]
+    if config.output_format == "pipeline":
+        out = pipeline_target(config, base, actor_config)
+    else:
+        out = transformer_target(base, layout, actor_config)
+    component_dir = out.component_dir
+    inputs = [actor / FSDP_CONFIG, actor_config_path] + [actor / n for n in rank_files]
     stamps = {str(p): FileStamp.of(p) for p in inputs}
-    base_files = {str(base_config_path.relative_to(base)): sha256_file(base_config_path)}
+    stamps.update(out.base_stamps)
+    base_files = dict(out.base_files)
+    lora_inputs = finish_lora_spec(lora, config, base, layout, component_dir, out.weights_name) if lora else None
+    if lora_inputs is not None:
+        stamps.update(lora_inputs.stamps)
+        base_files.update(lora_inputs.base_files)
     options = {k: v for k, v in config.to_dict().items() if k not in ("workers", "hf_upload_path", "private")}
     fp = fingerprint([options, {k: list(v.__dict__.values()) for k, v in stamps.items()}, str(target)])
     staging = staging_dir_for(target, fp)
@@ -111,19 +92,22 @@ def inspect_merge(config: ModelMergerConfig) -> MergePlan:
         fsdp_version=fsdp.version,
         rank_files=tuple(rank_files),
         base_kind=layout.kind,
-        architecture=cls.__name__,
-        transformer_class=cls.__name__,
+        architecture=out.architecture,
+        transformer_class=out.transformer_class,
         component=config.component,
         base_component_dir=str(component_dir),
-        tensor_directory=".",
-        artifact_type="diffusers_transformer",
-        weights_name=WEIGHTS_NAME,
-        expected_shapes=expected,
-        keep_fp32=keep_in_fp32_modules(cls),
+        tensor_directory=out.tensor_directory,
+        artifact_type=out.artifact_type,
+        weights_name=out.weights_name,
+        expected_shapes=out.expected_shapes,
+        keep_fp32=out.keep_fp32,
         input_stamps=stamps,
         source_config_sha256=sha256_file(actor_config_path),
         base_files=base_files,
         fingerprint=fp,
+        lora=lora_inputs.spec if lora_inputs is not None else None,
+        extras=out.extras,
+        copy_files=out.copy_files,
     )
 
 

@@ -13,7 +13,7 @@ from mergeflow.fsops import fsync_dir, make_readable, rename_noreplace, sha256_f
 from mergeflow.jsonfiles import write_json_durable
 from mergeflow.manifest import MANIFEST_NAME, SCHEMA_VERSION, fingerprint, producer_versions
 from mergeflow.records import FileRecord, MergePlan, OutputPlan, RankIndex, ShardRecord, ValidationReport
-from mergeflow.tasks.validate import list_tree
+from mergeflow.tasks.validate import list_tree, manifest_relpath
 from mergeflow.tasks.write import write_component_config, write_weight_index
 
 LAYERS_PASSED = {"structure": "passed", "source_round_trip": "passed", "artifact_round_trip": "passed",
@@ -33,8 +33,19 @@ def write_metadata_files(plan: MergePlan, output: OutputPlan) -> tuple[list[File
     if index is not None:
         name = f"{plan.weights_name}.index.json"
         records.append(FileRecord(_rel(plan, name), sha256_file(tensor_dir / name), len(index), "written"))
-    transform = {"removed_keys": {_rel(plan, "config.json"): removed}} if removed else {"removed_keys": {}}
-    return records, transform
+    return records, config_transform_record(plan, removed)
+
+
+def config_transform_record(plan: MergePlan, trained_removed: list[str]) -> dict[str, Any]:
+    """Manifest config_transform: local-path keys removed per config, the tensor conversion, base files left out."""
+    removed = {_rel(plan, "config.json"): trained_removed} if trained_removed else {}
+    removed.update(plan.extras.get("config_changes", {}))  # copied configs (computed at inspect, re-checked on copy)
+    record: dict[str, Any] = {"removed_keys": dict(sorted(removed.items()))}
+    if plan.extras.get("adapter"):
+        record["tensor_conversion"] = {"adapter": plan.extras["adapter"], **plan.extras.get("adapter_params", {})}
+    if plan.extras.get("not_copied"):
+        record["not_copied"] = dict(sorted(plan.extras["not_copied"].items()))
+    return record
 
 
 def build_manifest(
@@ -48,6 +59,8 @@ def build_manifest(
     """The manifest of SPEC section 5, built from records only (no absolute paths)."""
     source_files = {ix.file_name: ix.sha256 for ix in sorted(indexes, key=lambda ix: ix.rank)}
     source_files["fsdp_config.json"] = sha256_file(Path(plan.actor_dir) / "fsdp_config.json")
+    if plan.lora is not None:
+        source_files.update(plan.lora["source_files"])  # lora_train_meta.json (and adapter_config.json)
     smc = {"sha256": plan.source_config_sha256, "logical_path": "huggingface/config.json"}
     tensors = {name: {"shape": list(shape), "dtype": dtype} for s in shards for name, (dtype, shape) in s.tensors.items()}
     out_files = {_rel(plan, s.file_name): s.sha256 for s in shards}
@@ -78,10 +91,11 @@ def build_manifest(
     return manifest
 
 
-def finalize_staging(plan: MergePlan, output: OutputPlan, indexes: list[RankIndex], shards: list[ShardRecord]) -> dict[str, Any]:
-    """Write the remaining files and the manifest into the staging artifact."""
+def finalize_staging(plan: MergePlan, output: OutputPlan, indexes: list[RankIndex], shards: list[ShardRecord],
+                     extra_files: list[FileRecord] | None = None, lora_fusion: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write the remaining files and the manifest into the staging artifact (extra_files: e.g. lora_adapter/)."""
     files, transform = write_metadata_files(plan, output)
-    manifest = build_manifest(plan, indexes, shards, files, transform)
+    manifest = build_manifest(plan, indexes, shards, files + list(extra_files or []), transform, lora_fusion)
     write_json_durable(Path(plan.artifact_dir) / MANIFEST_NAME, manifest, indent=2)
     return manifest
 
@@ -90,7 +104,8 @@ def publish_staged(plan: MergePlan, report: ValidationReport) -> dict[str, str]:
     """Final self-check, normal permissions, then rename into place without ever replacing."""
     artifact = Path(plan.artifact_dir)
     target = Path(plan.target)
-    if sha256_file(artifact / MANIFEST_NAME) != report.manifest_sha256:
+    manifest_rel = manifest_relpath(artifact)
+    if sha256_file(artifact / manifest_rel) != report.manifest_sha256:
         raise ValidationError("the staged manifest changed after validation; nothing was published")
     if len(list_tree(artifact)) != report.files_checked:
         raise ValidationError("the staged tree changed after validation; nothing was published")
@@ -98,13 +113,14 @@ def publish_staged(plan: MergePlan, report: ValidationReport) -> dict[str, str]:
     rename_noreplace(artifact, target)
     fsync_dir(target.parent)
     shutil.rmtree(plan.staging, ignore_errors=True)
-    return {"output_dir": str(target), "manifest_path": str(target / MANIFEST_NAME)}
+    return {"output_dir": str(target), "manifest_path": str(target / manifest_rel)}
 
 
 @task(name="write-metadata", task_run_name="write-metadata", retries=1, retry_delay_seconds=1)
-def write_metadata(plan: MergePlan, output: OutputPlan, indexes: list[RankIndex], shards: list[ShardRecord]) -> dict[str, Any]:
+def write_metadata(plan: MergePlan, output: OutputPlan, indexes: list[RankIndex], shards: list[ShardRecord],
+                   extra_files: list[FileRecord] | None = None, lora_fusion: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write config, weight index and manifest into staging."""
-    return finalize_staging(plan, output, indexes, shards)
+    return finalize_staging(plan, output, indexes, shards, extra_files, lora_fusion)
 
 
 @task(name="publish", task_run_name="publish")

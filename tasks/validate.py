@@ -13,8 +13,11 @@ from prefect import task
 from mergeflow.errors import InputChangedError, ValidationError
 from mergeflow.fsops import FileStamp, sha256_file
 from mergeflow.jsonfiles import read_json_strict
+from mergeflow.lora_artifact import ADAPTER_DIR, ADAPTER_MANIFEST, adapter_only_root, check_adapter_weights
 from mergeflow.manifest import MANIFEST_NAME, check_manifest
 from mergeflow.paths import check_relative_name
+from mergeflow.pipeline_contract import check_pipeline_artifact
+from mergeflow.config_paths import is_config_json
 from mergeflow.records import MergePlan, ValidationReport
 from mergeflow.safetensors_format import nbytes, read_header
 
@@ -113,27 +116,37 @@ def _shard_entries(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
 
 def check_configs(root: Path, manifest: dict[str, Any]) -> None:
     """The root config names the manifest's architecture; no config leaks a local path."""
-    root_config = "model_index.json" if manifest["artifact_type"] in ("diffusers_pipeline", "minimax_h3_pipeline") else "config.json"
     if manifest["artifact_type"] == "peft_adapter":
         return
-    data = read_json_strict(root / root_config, ValidationError, root_config)
-    if not isinstance(data, dict) or data.get("_class_name") != manifest["architecture"]:
-        raise ValidationError(f"{root_config} names {data.get('_class_name') if isinstance(data, dict) else None!r}, "
-                              f"but the manifest says {manifest['architecture']!r}")
+    if manifest["artifact_type"] in ("diffusers_pipeline", "minimax_h3_pipeline"):
+        check_pipeline_artifact(root, manifest)  # the (modular) model_index.json and every declared component
+    else:
+        data = read_json_strict(root / "config.json", ValidationError, "config.json")
+        if not isinstance(data, dict) or data.get("_class_name") != manifest["architecture"]:
+            raise ValidationError(f"config.json names {data.get('_class_name') if isinstance(data, dict) else None!r}, "
+                                  f"but the manifest says {manifest['architecture']!r}")
     tensor_dir = root / manifest["tensor_directory"]
     if not (tensor_dir / "config.json").is_file():
         raise ValidationError(f"{manifest['tensor_directory']}/config.json is missing")
     for rel in manifest["files"]:
-        if rel.endswith(".json") and rel.split("/")[-1] in ("config.json", "model_index.json"):
+        if is_config_json(rel):
             cfg = read_json_strict(root / rel, ValidationError, rel)
             if isinstance(cfg, dict) and ("_name_or_path" in cfg or "name_or_path" in cfg):
                 raise ValidationError(f"{rel} still holds _name_or_path (a local path)")
+
+
+def manifest_relpath(root: Path) -> str:
+    """Where an artifact's manifest is: at its root, or in lora_adapter/ for a LoRA-only adapter export."""
+    return ADAPTER_MANIFEST if adapter_only_root(root) is not None else MANIFEST_NAME
 
 
 def validate_artifact_dir(root: Path) -> ArtifactSummary:
     """Everything `test` checks, without the source checkpoint."""
     if not root.is_dir():
         raise ValidationError(f"{root} is not a directory")
+    adapter_only = adapter_only_root(root)
+    if adapter_only is not None:
+        return validate_artifact_dir(adapter_only)
     manifest_path = root / MANIFEST_NAME
     if manifest_path.is_symlink() or not manifest_path.is_file():
         raise ValidationError(f"{root.name} has no {MANIFEST_NAME}; is it a mergeflow artifact?")
@@ -142,7 +155,13 @@ def validate_artifact_dir(root: Path) -> ArtifactSummary:
     check_configs(root, manifest)
     tensor_dir = root / manifest["tensor_directory"]
     prefix = "" if manifest["tensor_directory"] == "." else manifest["tensor_directory"]
-    count = check_weights(tensor_dir, prefix, manifest["tensors"]) if manifest["tensors"] else 0
+    if manifest["artifact_type"] == "peft_adapter":
+        count = check_adapter_weights(root, manifest)
+    else:
+        count = check_weights(tensor_dir, prefix, manifest["tensors"]) if manifest["tensors"] else 0
+    if ADAPTER_MANIFEST in manifest["files"]:  # an exported adapter beside the model: an artifact of its own
+        if validate_artifact_dir(root / ADAPTER_DIR).artifact_type != "peft_adapter":
+            raise ValidationError(f"{ADAPTER_DIR}/ holds an artifact that is not a peft_adapter")
     return ArtifactSummary(manifest["architecture"], manifest["artifact_type"], len(manifest["files"]) + 1, count, manifest)
 
 
@@ -163,6 +182,10 @@ def check_loadable(plan: MergePlan, tensors: dict[str, Any]) -> None:
 
     if plan.artifact_type != "diffusers_transformer" and plan.tensor_directory == ".":
         return
+    if plan.extras.get("output_shapes") is not None:  # a converted or remote-code schema, fixed at inspect
+        if {k: list(v) for k, v in plan.extras["output_shapes"].items()} != {k: v["shape"] for k, v in tensors.items()}:
+            raise ValidationError("the staged weights do not match the schema planned for this artifact")
+        return
     config = read_model_config(Path(plan.tensor_dir) / "config.json", ValidationError, "staged config.json")
     model = meta_model(diffusers_model_class(plan.transformer_class), config)
     want = {k: list(v.shape) for k, v in expected_tensors(model).items()}
@@ -178,7 +201,7 @@ def validate_staged(plan: MergePlan, manifest: dict[str, Any]) -> ValidationRepo
     summary = validate_artifact_dir(Path(plan.artifact_dir))
     return ValidationReport(
         artifact_dir=plan.artifact_dir,
-        manifest_sha256=sha256_file(Path(plan.artifact_dir) / MANIFEST_NAME),
+        manifest_sha256=sha256_file(Path(plan.artifact_dir) / manifest_relpath(Path(plan.artifact_dir))),
         architecture=summary.architecture,
         files_checked=summary.files,
         tensors_checked=summary.tensors,

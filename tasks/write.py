@@ -20,9 +20,20 @@ from mergeflow.fsops import sha256_file
 from mergeflow.jsonfiles import write_json_durable
 from mergeflow.manifest import fingerprint
 from mergeflow.records import MergePlan, OutputPlan, ShardPlan, ShardRecord, TensorWrite
+from mergeflow.streamio import HashingWriter
 from mergeflow.safetensors_format import DTYPES, build_header, nbytes, read_header, torch_dtype
+from mergeflow.staging import file_stamp, staged_file_state, staging_id
 from mergeflow.tasks.common import retry_transient
-from mergeflow.tasks.reconstruct import RankStates, global_pieces, verified_chunks, verify_round_trip
+from mergeflow.tasks.lora_fuse import transformed_tensor, verify_transformed
+from mergeflow.tasks.reconstruct import (
+    RankStates,
+    all_finite,
+    global_pieces,
+    is_streamed,
+    primary_chunks,
+    verified_chunks,
+    verify_round_trip,
+)
 
 WRITE_BLOCK = 16 * 1024 * 1024
 HEADER_METADATA = {"format": "pt"}
@@ -74,15 +85,6 @@ def file_order(tensors: tuple[TensorWrite, ...]) -> list[TensorWrite]:
     return sorted(tensors, key=lambda t: (-DTYPES[t.out_dtype][1], t.name))
 
 
-def _write_all(fd: int, view: memoryview, digest: Any) -> None:
-    for start in range(0, len(view), WRITE_BLOCK):
-        block = view[start : start + WRITE_BLOCK]
-        digest.update(block)
-        while len(block):
-            written = os.write(fd, block)
-            block = block[written:]
-
-
 def _as_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
@@ -110,44 +112,52 @@ def _write_shard_file(shard: ShardPlan, states: RankStates, artifact_dir: Path, 
     if reused is not None:
         return reused
     ordered = file_order(shard.tensors)
-    header, entries = build_header([(t.name, t.out_dtype, t.layout.shape) for t in ordered], HEADER_METADATA)
+    header, entries = build_header([(t.name, t.out_dtype, t.layout.shape) for t in ordered], shard.metadata or HEADER_METADATA)
     partial = work_dir / f"{shard.file_name}.partial"
-    digest = hashlib.sha256()
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    writer = HashingWriter(fd)
     try:
-        _write_all(fd, memoryview(header), digest)
+        writer.write(memoryview(header))
         for tw in ordered:
-            chunks = verified_chunks(tw.layout, states)
+            # A transform (LoRA fusion) computes the tensor from its sources; otherwise stream the rank pieces.
+            if tw.transform is not None:
+                pieces = [transformed_tensor(tw, states)]
+            else:
+                streamed = is_streamed(tw.layout, tw.out_dtype)
+                chunks = verified_chunks(tw.layout, states, check_values=not streamed)
+                pieces = global_pieces(tw.layout, chunks, tw.out_dtype, tw.name)
             written = 0
-            for piece in global_pieces(tw.layout, chunks, tw.out_dtype, tw.name):
-                view = _as_bytes(piece)
-                _write_all(fd, view, digest)
-                written += len(view)
+            for piece in pieces:
+                written += writer.write(_as_bytes(piece))
             if written != entries[tw.name].end - entries[tw.name].begin:
                 raise CheckpointError(f"{tw.name}: wrote {written} bytes, expected {entries[tw.name].end - entries[tw.name].begin}")
             for hook in PROGRESS_HOOKS:
                 hook(written, 1)
         os.fsync(fd)
+        digest = writer.hexdigest()
     finally:
+        writer.close()
         os.close(fd)
     verify_written_shard(partial, shard, states)
     os.replace(partial, final)
     record = ShardRecord(
         file_name=shard.file_name,
-        sha256=digest.hexdigest(),
+        sha256=digest,
         size=final.stat().st_size,
         tensors={t.name: (t.out_dtype, t.layout.shape) for t in ordered},
         plan_fingerprint=shard.fingerprint,
     )
-    write_json_durable(record_path, asdict(record))
+    # The stamp lets a rerun's cache key tell an intact staged file from a changed one.
+    write_json_durable(record_path, {**asdict(record), "stamp": file_stamp(final)})
     return record
 
 
-def open_tensors(path: Path) -> dict[str, torch.Tensor]:
+def open_tensors(path: Path, expected_metadata: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
     """Map a safetensors file read-only-in-effect (MAP_PRIVATE) and view each tensor in it."""
     entries, metadata, data_start = read_header(path)
-    if metadata != HEADER_METADATA:
-        raise CheckpointError(f"{path.name}: header metadata is {metadata}, expected {HEADER_METADATA}")
+    expected_metadata = expected_metadata or HEADER_METADATA
+    if metadata != expected_metadata:
+        raise CheckpointError(f"{path.name}: header metadata is {metadata}, expected {expected_metadata}")
     size = path.stat().st_size
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -172,9 +182,50 @@ def verify_written_shard(path: Path, shard: ShardPlan, states: RankStates) -> No
                 raise CheckpointError(f"{path.name}: {tw.name} was written with the wrong shape or dtype")
     if names != {t.name for t in shard.tensors}:
         raise CheckpointError(f"{path.name}: holds tensors that were not planned")
-    tensors = open_tensors(path)
-    for tw in shard.tensors:
-        verify_round_trip(tw.layout, tensors[tw.name], verified_chunks(tw.layout, states), tw.out_dtype, tw.name)
+    streamed = [tw for tw in shard.tensors if tw.transform is None and is_streamed(tw.layout, tw.out_dtype)]
+    compare_streamed(path, streamed, states)
+    rest = [tw for tw in shard.tensors if tw not in streamed]
+    if not rest:
+        return
+    tensors = open_tensors(path, shard.metadata)
+    for tw in rest:
+        if tw.transform is not None:
+            verify_transformed(tw, tensors[tw.name], states)
+        else:
+            verify_round_trip(tw.layout, tensors[tw.name], primary_chunks(tw.layout, states), tw.out_dtype, tw.name)
+
+
+def compare_streamed(path: Path, tensors: list[TensorWrite], states: RankStates) -> None:
+    """Read the file back and compare each streamed tensor's regions with its rank shards.
+
+    For these tensors each file region is exactly one rank's local shard (re-slicing at byte
+    level). The shards' finiteness is checked in the same pass, so their bytes are read once.
+    Plain reads into one reused buffer avoid faulting in a second mapping of the file.
+    """
+    entries, _, data_start = read_header(path)
+    buffer = bytearray(WRITE_BLOCK)
+    window = torch.frombuffer(buffer, dtype=torch.uint8)
+    with open(path, "rb", buffering=0) as handle:
+        for tw in tensors:
+            handle.seek(data_start + entries[tw.name].begin)
+            for index, local in enumerate(c for c in primary_chunks(tw.layout, states) if c.numel()):
+                flat = local.reshape(-1).view(torch.uint8)
+                for start in range(0, flat.numel(), WRITE_BLOCK):
+                    n = min(WRITE_BLOCK, flat.numel() - start)
+                    _read_exact(handle, memoryview(buffer)[:n], path.name)
+                    expected = flat[start : start + n]
+                    if not torch.equal(window[:n], expected):
+                        raise CheckpointError(f"{tw.name}: round trip failed, shard {index} differs from the written bytes")
+                    if local.is_floating_point() and not all_finite(expected.view(local.dtype)):
+                        raise CheckpointError(f"{tw.name} (shard {index}) holds inf or nan values; refusing to export a broken weight")
+
+
+def _read_exact(handle: Any, view: memoryview, name: str) -> None:
+    while len(view):
+        n = handle.readinto(view)
+        if not n:
+            raise CheckpointError(f"{name} is shorter than its header says")
+        view = view[n:]
 
 
 def _reusable(record_path: Path, final: Path, shard: ShardPlan) -> ShardRecord | None:
@@ -200,17 +251,15 @@ def _reusable(record_path: Path, final: Path, shard: ShardPlan) -> ShardRecord |
 
 
 def _shard_cache_key(context: Any, parameters: dict[str, Any]) -> str:
-    # The staged file's stamp is part of the key: a deleted or altered shard is a cache miss,
-    # so a retry rewrites it instead of trusting a stale cached record.
+    # The key must be the same before the first write (file absent) and on a rerun that finds
+    # the file intact, yet differ once the staged file was changed or deleted, or the staging
+    # directory was recreated: so a retry rewrites a damaged shard instead of trusting a stale record.
     plan: MergePlan = parameters["plan"]
     shard: ShardPlan = parameters["shard"]
     final = Path(plan.tensor_dir) / shard.file_name
-    try:
-        st = final.stat()
-        stamp = f"{st.st_size}-{st.st_mtime_ns}-{st.st_ino}"
-    except FileNotFoundError:
-        stamp = "absent"
-    return "shard-" + hashlib.sha256(f"{plan.staging}|{shard.fingerprint}|{stamp}".encode()).hexdigest()
+    state = staged_file_state(final, Path(plan.work_dir) / f"shard-{shard.index:05d}.json")
+    raw = f"{plan.staging}|{staging_id(Path(plan.staging))}|{shard.fingerprint}|{state}"
+    return "shard-" + hashlib.sha256(raw.encode()).hexdigest()
 
 
 @task(

@@ -35,8 +35,13 @@ def save_custom_ranks(
     return actor_dir
 
 
-def rewrite_rank(path: Path, change: Callable[[dict[str, Any]], Any]) -> None:
-    """Load a rank file fully, let `change` edit the dict (or return a replacement), save it back."""
+def rewrite_rank(path: Path, change: Callable[[dict[str, Any]], object]) -> None:
+    """Load a rank file fully, let `change` edit the dict in place (its return value is ignored), save it."""
     state = torch.load(path, map_location="cpu", weights_only=True)
-    result = change(state)
-    torch.save(state if result is None else result, path)
+    change(state)
+    torch.save(state, path)
+
+
+def replace_rank(path: Path, make: Callable[[dict[str, Any]], object]) -> None:
+    """Replace a rank file's content with whatever `make(state)` returns."""
+    torch.save(make(torch.load(path, map_location="cpu", weights_only=True)), path)

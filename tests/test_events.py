@@ -9,7 +9,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -18,7 +17,7 @@ import pytest
 
 from mergeflow.errors import EventError, UsageError
 from mergeflow.events import EVENT_CHECKPOINT_SAVED, build_checkpoint_event, checkpoint_resource_id, checkpoint_saved
-from prefect_server import PrefectServer, free_port, start_prefect_server
+from prefect_server import PrefectServer, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -146,12 +145,6 @@ def test_undelivered_event_is_an_event_error(tmp_path: Path) -> None:
     finally:
         server.shutdown()
         server.server_close()
-
-
-@pytest.fixture(scope="module")
-def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
-    with start_prefect_server(tmp_path_factory.mktemp("prefect")) as server:
-        yield server
 
 
 def read_event(server: PrefectServer, event_id: str, timeout: float = 30.0) -> Any:

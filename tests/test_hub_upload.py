@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from huggingface_hub import constants
+from huggingface_hub import HfApi, constants
+from huggingface_hub.hf_api import RepoFile, RepoFolder
 from huggingface_hub.utils import close_session
 from hub_server import LocalHubServer
 from safetensors.numpy import save_file
@@ -22,6 +23,9 @@ from safetensors.numpy import save_file
 from mergeflow.errors import UploadAuthError, UploadError, UploadTransientError, UploadVerificationError
 from mergeflow.hub import MANIFEST_NAME, upload_artifact, verify_upload
 from mergeflow.hub_retry import call_with_retries
+
+# huggingface_hub's own LFS PUT passes a file object as `data=`, which httpx2 deprecates; not ours to fix.
+pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>' to upload raw bytes:DeprecationWarning")
 
 REPO = "mergeflow-tests/tiny-export"
 TOKEN = "hf_" + "Secret0Token" * 3  # shaped like a real user token so the generic scrubber is exercised too
@@ -60,8 +64,10 @@ def hub(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)  # the test server speaks LFS, not Xet
     monkeypatch.delenv("HF_TOKEN", raising=False)
     with LocalHubServer() as server:
-        # Calls the client makes to the default endpoint (its agent-registry lookup) stay on this machine too.
+        # As if HF_ENDPOINT had been set before import (both constants derive from it then): calls the
+        # client makes to the default endpoint, such as its agent-registry lookup, stay on this machine.
         monkeypatch.setattr(constants, "ENDPOINT", server.base_url)
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", server.base_url + "/{repo_id}/resolve/{revision}/{filename}")
         yield server
     close_session()  # drop pooled keep-alive connections to this server
 
@@ -263,3 +269,18 @@ def test_tokens_are_scrubbed_from_retry_logs_and_errors(caplog):
     assert len(attempts) == 2  # the connection reset was retried, the ValueError was not
     text = "".join(traceback.format_exception(info.value)) + caplog.text
     assert TOKEN not in text and other not in text and "***" in str(info.value) and "***" in caplog.text
+
+
+def test_local_hub_server_speaks_tree_paths_info_and_resolve(hub, artifact):
+    """The server's other read routes, through the real client: expanded trees, paths-info, LFS download."""
+    record = _upload(hub, artifact)
+    api = HfApi(endpoint=hub.base_url, token=TOKEN)
+    top = {e.path: e for e in api.list_repo_tree(REPO, revision=record.commit_sha)}
+    assert isinstance(top["transformer"], RepoFolder) and WEIGHTS not in top
+    expanded = [e for e in api.list_repo_tree(REPO, recursive=True, expand=True) if isinstance(e, RepoFile)]
+    assert {e.path for e in expanded} == set(_artifact_files(artifact)) | {".gitattributes"}
+    assert all(e.last_commit is not None and e.last_commit.oid == record.commit_sha for e in expanded)
+    (info,) = api.get_paths_info(REPO, [WEIGHTS, "absent.txt"], revision=record.commit_sha)
+    assert isinstance(info, RepoFile) and info.lfs is not None and info.lfs.sha256 == _sha256(artifact / WEIGHTS)
+    local = api.hf_hub_download(REPO, WEIGHTS, revision=record.commit_sha, cache_dir=artifact.parent / "cache")
+    assert Path(local).read_bytes() == (artifact / WEIGHTS).read_bytes()

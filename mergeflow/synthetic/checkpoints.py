@@ -75,7 +75,7 @@ def save_fsdp_checkpoint(
     (actor_dir / "fsdp_config.json").write_text(
         json.dumps({"FSDP_version": fsdp_version, "world_size": world_size}, indent=4)
     )
-    # Only Diffusers/Transformers models have a config; a hand-made nn.Module has none to write.
+    # Only Diffusers models (ConfigMixin) carry a config; a hand-made nn.Module has none to write.
     if write_hf_config and hasattr(model, "save_config"):
         model.save_config(actor_dir / "huggingface")
     return actor_dir
@@ -85,6 +85,11 @@ def _check_layout(
     world_size: int, mesh_shape: tuple[int, int] | None, fsdp_version: int, plain: bool
 ) -> None:
     """Refuse argument combinations that training could never have produced."""
+    if not plain and dist.is_initialized():
+        raise RuntimeError(
+            "a torch.distributed process group is already initialised in this process; "
+            "synthetic checkpoints need to create (and destroy) their own fake one"
+        )
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if fsdp_version not in (1, 2):
@@ -105,11 +110,6 @@ def _save_sharded_ranks(
     model: nn.Module, actor_dir: Path, world_size: int, mesh_shape: tuple[int, int] | None
 ) -> None:
     """Write one model rank file per rank of a 1-D (FSDP) or 2-D (HSDP) mesh."""
-    if dist.is_initialized():
-        raise RuntimeError(
-            "a torch.distributed process group is already initialised in this process; "
-            "synthetic checkpoints need to create (and destroy) their own fake one"
-        )
     if mesh_shape is None:
         shape, names = (world_size,), ("fsdp",)
     else:

@@ -120,7 +120,7 @@ def scaled_overrides(class_name: str, size_bytes: int, dtype: torch.dtype) -> di
         else:
             high = mid
     best: tuple[float, dict[str, Any]] | None = None
-    for heads in {max(1, low - 1), low}:
+    for heads in sorted({max(1, low - 1), low}):
         fixed = size(heads, _MIN_LAYERS)
         per_layer = size(heads, _MIN_LAYERS + 1) - fixed  # size is linear in depth past the minimum
         layers = max(_MIN_LAYERS, _MIN_LAYERS + round((size_bytes - fixed) / per_layer))

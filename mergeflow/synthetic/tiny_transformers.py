@@ -298,8 +298,12 @@ def _minimax_h3_inputs(config: Mapping[str, Any], noise: Any) -> dict[str, Any]:
 
 def run_tiny_forward(model: ModelMixin) -> tuple[torch.Tensor, ...]:
     """Run one no-grad forward pass of a tiny model on its fixed inputs; return the output tensors."""
-    class_name = type(model).__name__
-    inputs = tiny_forward_inputs(class_name, dict(model.config))
+    inputs = tiny_forward_inputs(type(model).__name__, dict(model.config))
+    # A cast model (bf16, fp32-kept modules aside) wants its activations in its own dtype.
+    inputs = {
+        key: value.to(model.dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+        for key, value in inputs.items()
+    }
     with torch.no_grad():
         outputs = model(**inputs, return_dict=False)
     return tuple(out for out in outputs if isinstance(out, torch.Tensor))

@@ -1,0 +1,145 @@
+"""The merge a `mergeflow.checkpoint.saved` event starts: event payload + served defaults -> merge.
+
+The served deployment's trigger passes the whole event payload as one parameter
+(`checkpoint`). Prefect renders a trigger parameter such as `{{ event.payload.base_model }}`
+through `tojson`, and a key the event lacks then fails the whole action (no flow run at all),
+so optional keys are resolved here, in Python, against the defaults given to `serve`.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from prefect import flow
+from prefect.runtime import flow_run
+
+from mergeflow.config import DEFAULT_MAX_SHARD_SIZE, ModelMergerConfig
+from mergeflow.errors import UsageError
+from mergeflow.flows.merge import merge_flow
+from mergeflow.flows.runners import make_task_runner
+
+_STEP_DIR = re.compile(r"global_step_(\d+)")
+FORMAT_FIELDS = ("run_name", "step")
+
+
+def _step_of(checkpoint: dict[str, Any], actor_dir: Path) -> int | None:
+    step = checkpoint.get("step")
+    if step is None:
+        match = _STEP_DIR.fullmatch(actor_dir.parent.name)
+        return int(match.group(1)) if match else None
+    if isinstance(step, str) and step.isdigit():
+        return int(step)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise UsageError(f"the event's step must be a non-negative integer, not {step!r}")
+    return step
+
+
+def _plain_name(value: Any, what: str) -> str:
+    name = str(value)
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name:
+        raise UsageError(f"the event's {what} {value!r} cannot name a directory; use a plain name")
+    return name
+
+
+def _absolute(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not Path(value).is_absolute():
+        raise UsageError(f"the event's {what} must be an absolute path (the deployment runs elsewhere), not {value!r}")
+    return value
+
+
+def format_with_checkpoint(template: str | None, run_name: str, step: int | None, what: str) -> str | None:
+    """Fill `{run_name}` and `{step}` in a per-checkpoint setting such as --hf_upload_path."""
+    if template is None:
+        return None
+    try:
+        return template.format(run_name=run_name, step="" if step is None else step)
+    except (KeyError, IndexError, ValueError, AttributeError) as exc:
+        raise UsageError(f"{what} may use only {{run_name}} and {{step}}: {exc!r}") from None
+
+
+def default_target(target_root: str, run_name: str, step: int | None, actor_dir: Path) -> Path:
+    """`<target_root>/<run_name>/global_step_<step>` (the checkpoint's own folder name without a step)."""
+    leaf = f"global_step_{step}" if step is not None else _plain_name(actor_dir.parent.name, "checkpoint folder")
+    return Path(target_root) / run_name / leaf
+
+
+def resolve_checkpoint_config(
+    checkpoint: dict[str, Any],
+    *,
+    base_model: str | None = None,
+    target_root: str | None = None,
+    output_format: str = "pipeline",
+    dtype: str = "preserve",
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    hf_upload_path: str | None = None,
+    private: bool = False,
+    workers: int = 2,
+) -> ModelMergerConfig:
+    """The merge config for one event payload; payload keys override the served defaults."""
+    if not isinstance(checkpoint, dict) or "local_dir" not in checkpoint:
+        raise UsageError("the checkpoint event has no local_dir; emit it with mergeflow.events.checkpoint_saved(path)")
+    actor_dir = Path(_absolute(checkpoint["local_dir"], "local_dir"))
+    step = _step_of(checkpoint, actor_dir)
+    run_name = _plain_name(checkpoint.get("run_name") or actor_dir.parent.parent.name or "checkpoints", "run_name")
+    base = checkpoint.get("base_model") or base_model
+    if not base:
+        raise UsageError("no base model: serve with --base_model or put base_model in the event payload")
+    if checkpoint.get("target_dir"):
+        target = Path(_absolute(checkpoint["target_dir"], "target_dir"))
+    elif target_root:
+        target = default_target(target_root, run_name, step, actor_dir)
+    else:
+        raise UsageError("no target: serve with --target-root or put target_dir in the event payload")
+    config = ModelMergerConfig(
+        operation="merge",
+        local_dir=str(actor_dir),
+        base_model=_absolute(str(base), "base_model"),
+        target_dir=str(target),
+        output_format=output_format,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        hf_upload_path=format_with_checkpoint(hf_upload_path, run_name, step, "--hf_upload_path"),
+        private=private,
+        workers=workers,
+    )
+    config.validate()
+    return config
+
+
+def checkpoint_run_name() -> str:
+    checkpoint = (flow_run.parameters or {}).get("checkpoint") or {}
+    if not isinstance(checkpoint, dict):
+        return "checkpoint"
+    run = checkpoint.get("run_name") or "checkpoint"
+    step = checkpoint.get("step")
+    return f"{run}-step-{step}" if step is not None else str(run)
+
+
+@flow(name="mergeflow-merge-checkpoint", flow_run_name=checkpoint_run_name, validate_parameters=True)
+def merge_checkpoint_flow(
+    checkpoint: dict[str, Any],
+    base_model: str | None = None,
+    target_root: str | None = None,
+    output_format: str = "pipeline",
+    dtype: str = "preserve",
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    hf_upload_path: str | None = None,
+    private: bool = False,
+    workers: int = 2,
+    task_runner: str = "thread",
+    dask_address: str | None = None,
+) -> dict[str, Any]:
+    """Export the checkpoint an event names (payload keys override these defaults)."""
+    config = resolve_checkpoint_config(
+        checkpoint, base_model=base_model, target_root=target_root, output_format=output_format, dtype=dtype,
+        max_shard_size=max_shard_size, hf_upload_path=hf_upload_path, private=private, workers=workers,
+    )
+    target = Path(str(config.target_dir))
+    if target_root and not checkpoint.get("target_dir"):
+        if not Path(target_root).is_dir():
+            raise UsageError(f"--target-root {target_root} does not exist (any more); create it")
+        target.parent.mkdir(exist_ok=True)  # the per-run folder under the target root
+    runner = make_task_runner(task_runner, workers=workers, dask_address=dask_address)
+    return merge_flow.with_options(task_runner=runner)(config=config)

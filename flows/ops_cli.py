@@ -1,0 +1,128 @@
+"""The operations verbs of the command line: serve, watch, staging list|clean."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from mergeflow.config import DEFAULT_MAX_SHARD_SIZE, DTYPES, OUTPUT_FORMATS
+from mergeflow.errors import ConcurrentExportError
+
+TASK_RUNNER_CHOICES = ("thread", "dask")
+
+
+def add_task_runner_flags(parser: argparse.ArgumentParser) -> None:
+    """--task-runner thread|dask and --dask-address (merge and serve)."""
+    parser.add_argument("--task-runner", "--task_runner", dest="task_runner", default="thread", choices=TASK_RUNNER_CHOICES,
+                        help="run rank and shard tasks in threads (default) or on a Dask cluster")
+    parser.add_argument("--dask-address", "--dask_address", dest="dask_address", default=None,
+                        help="scheduler address of a running Dask cluster (default: a temporary local cluster)")
+
+
+def add_ops_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Register serve, watch and staging on the main parser's subcommands."""
+    serve = sub.add_parser("serve", help="serve the merge (event-triggered) and validate deployments")
+    serve.add_argument("--base_model", "--base-model", dest="base_model", required=True, help="local base model directory")
+    serve.add_argument("--target-root", "--target_root", dest="target_root", required=True,
+                       help="exports go to TARGET_ROOT/<run_name>/global_step_<step> unless an event names a target")
+    serve.add_argument("--output_format", "--output-format", dest="output_format", default="pipeline", choices=list(OUTPUT_FORMATS))
+    serve.add_argument("--dtype", default="preserve", choices=list(DTYPES))
+    serve.add_argument("--max_shard_size", "--max-shard-size", dest="max_shard_size", type=int, default=DEFAULT_MAX_SHARD_SIZE)
+    serve.add_argument("--hf_upload_path", "--hf-upload-path", dest="hf_upload_path",
+                       help="ORG/REPO to upload each export to; may use {run_name} and {step}")
+    serve.add_argument("--private", action="store_true")
+    serve.add_argument("--workers", type=int, default=2, help="parallel shard writers per merge")
+    serve.add_argument("--limit", type=int, default=1, help="merges running at the same time (default 1)")
+    add_task_runner_flags(serve)
+    serve.add_argument("--debug", action="store_true")
+
+    watch = sub.add_parser("watch", help="emit a checkpoint event for every completed checkpoint of a training run")
+    watch.add_argument("train_dir", metavar="TRAIN_OUTPUT_DIR", help="verl's output directory (holds global_step_N/)")
+    watch.add_argument("--base_model", "--base-model", dest="base_model", help="base model named in each event")
+    watch.add_argument("--target-root", "--target_root", dest="target_root",
+                       help="name targets TARGET_ROOT/<run_name>/global_step_<step> in each event (default: serve's)")
+    watch.add_argument("--run-name", "--run_name", dest="run_name", help="run name in each event (default: the directory name)")
+    watch.add_argument("--stable-seconds", dest="stable_seconds", type=float, default=5.0,
+                       help="a checkpoint must stay unchanged this long before it is announced")
+    watch.add_argument("--poll-seconds", dest="poll_seconds", type=float, default=1.0)
+    watch.add_argument("--state-file", dest="state_file", help="where emitted checkpoints are remembered")
+    watch.add_argument("--debug", action="store_true")
+
+    staging = sub.add_parser("staging", help="list or remove the work kept by failed or interrupted exports")
+    staging.add_argument("action", choices=["list", "clean"])
+    staging.add_argument("dir", nargs="?", default=".", help="directory to search (targets' parent, or above; default .)")
+    staging.add_argument("--older-than", dest="older_than", type=float, default=0.0,
+                         help="clean only staging idle for more than this many seconds")
+    staging.add_argument("--debug", action="store_true")
+
+
+@contextmanager
+def _stop_on_signals() -> Iterator[threading.Event]:
+    """SIGINT/SIGTERM end the watcher cleanly, so it can report what it emitted."""
+    stop = threading.Event()
+    handler = lambda *_: stop.set()  # noqa: E731
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
+    from mergeflow.deployments.serve import MERGE_DEPLOYMENT, VALIDATE_DEPLOYMENT, ServeSettings, serve_deployments
+
+    settings = ServeSettings(
+        base_model=args.base_model, target_root=args.target_root, output_format=args.output_format, dtype=args.dtype,
+        max_shard_size=args.max_shard_size, hf_upload_path=args.hf_upload_path, private=args.private,
+        workers=args.workers, task_runner=args.task_runner, dask_address=args.dask_address,
+    )
+    try:
+        serve_deployments(settings, limit=args.limit)
+    except KeyboardInterrupt:
+        pass  # the runner has stopped; Ctrl-C is how a served process ends
+    return {"served": [f"mergeflow-merge-checkpoint/{MERGE_DEPLOYMENT}", f"mergeflow-validate/{VALIDATE_DEPLOYMENT}"],
+            "stopped": True}
+
+
+def cmd_watch(args: argparse.Namespace) -> dict[str, Any]:
+    from mergeflow.flows.watch import watch
+
+    template = None
+    if args.target_root:
+        root = Path(args.target_root).expanduser().resolve()
+        template = str(root / "{run_name}" / "global_step_{step}")
+    base = str(Path(args.base_model).expanduser().resolve()) if args.base_model else None
+    with _stop_on_signals() as stop:
+        emitted = watch(
+            args.train_dir, base_model=base, target_dir_template=template, run_name=args.run_name,
+            stable_seconds=args.stable_seconds, poll_seconds=args.poll_seconds, state_file=args.state_file, stop_event=stop,
+        )
+    return {"emitted": [{"step": c.step, "local_dir": str(c.actor_dir)} for c in emitted]}
+
+
+def cmd_staging(args: argparse.Namespace) -> dict[str, Any]:
+    from mergeflow.staging import clean_staging, list_staging
+
+    root = Path(args.dir)
+    if args.action == "list":
+        return {"staging": [info.to_dict() for info in list_staging(root)]}
+    result = clean_staging(root, older_than=args.older_than)
+    if result["refused"]:
+        raise ConcurrentExportError(
+            f"removed {len(result['removed'])} staging dir(s); kept {len(result['refused'])} that a running export "
+            f"holds: {', '.join(result['refused'])}"
+        )
+    return result
+
+
+OPS_COMMANDS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+    "serve": cmd_serve,
+    "watch": cmd_watch,
+    "staging": cmd_staging,
+}

@@ -1,0 +1,282 @@
+"""Inspecting a LoRA checkpoint: detection, layout, settings, and the plan of an adapter-only export.
+
+Called from `inspect` before any heavy work; everything here reads metadata and key names only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from mergeflow.architectures import BaseLayout, detect_base
+from mergeflow.checkpoint import FSDP_CONFIG, LORA_META, read_fsdp_config, rank_file_names
+from mergeflow.config import ModelMergerConfig
+from mergeflow.errors import BaseModelError, CheckpointError, LoraError, NotSupportedYet, UsageError
+from mergeflow.fsops import FileStamp, sha256_file
+from mergeflow.jsonfiles import read_json_strict
+from mergeflow.lora_config import ADAPTER_CONFIG_NAME, AdapterSettings, load_adapter_settings, load_train_meta
+from mergeflow.lora_export import DIFFUSERS_LORA_WEIGHTS_NAME, PEFT_ADAPTER_WEIGHTS_NAME
+from mergeflow.lora_keys import LoraLayout, classify, group_adapters, require_adapter
+from mergeflow.lora_plan import FULL_STATE, LORA_ONLY, LoraSpec, base_model_reference
+from mergeflow.manifest import fingerprint
+from mergeflow.paths import check_no_overlap, check_target, lock_path_for, staging_dir_for
+from mergeflow.rank_files import load_rank_state
+from mergeflow.records import MergePlan
+from mergeflow.schema import diffusers_model_class, expected_tensors, keep_in_fp32_modules, meta_model, read_model_config
+
+# The native MiniMax H3 package (SPEC section 3) renames and fuses the Diffusers modules (qkv_proj),
+# so an adapter keyed by Diffusers module paths would not load there.
+NATIVE_H3_CLASS = "MiniMaxH3DiTModel"
+NATIVE_H3_MARKER = "_minimax_h3"
+
+
+def adapter_weights_name(adapter_format: str) -> str:
+    """The weight file of an exported adapter in the chosen format."""
+    return DIFFUSERS_LORA_WEIGHTS_NAME if adapter_format == "diffusers" else PEFT_ADAPTER_WEIGHTS_NAME
+
+
+def _refuse_lora_flags(config: ModelMergerConfig) -> None:
+    if config.fuse_lora:
+        raise UsageError("--fuse-lora needs a LoRA checkpoint, but this one has no LoRA adapters "
+                         "(no 'lora_' keys, no lora_train_meta.json); drop --fuse-lora")
+    if config.adapter_config:
+        raise UsageError("--adapter-config is for LoRA checkpoints, but this one has no LoRA adapters")
+    if config.adapter_format != "peft":
+        raise UsageError("--adapter-format is for LoRA checkpoints, but this one has no LoRA adapters")
+
+
+def _adapter_config_file(config: ModelMergerConfig, actor: Path) -> tuple[Path | None, str]:
+    """The PEFT adapter_config.json to use (flag first, else beside the checkpoint) and its origin."""
+    if config.adapter_config:
+        path = Path(config.adapter_config).expanduser()
+        if not path.is_file():
+            raise UsageError(f"--adapter-config {config.adapter_config} is not a file")
+        return path.resolve(), "--adapter-config"
+    cfg_dir = Path(config.hf_model_config_path or actor / "huggingface").expanduser().resolve()
+    found = [p for p in (actor / ADAPTER_CONFIG_NAME, cfg_dir / ADAPTER_CONFIG_NAME) if p.is_file()]
+    if len(found) == 2 and found[0].read_bytes() != found[1].read_bytes():
+        raise LoraError(f"two different {ADAPTER_CONFIG_NAME} files lie beside the checkpoint (in actor/ and "
+                        f"{cfg_dir.name}/); remove the stale one or pass --adapter-config PATH")
+    if not found:
+        return None, LORA_META
+    return found[0], _relative_or_name(found[0], actor)
+
+
+def _relative_or_name(path: Path, root: Path) -> str:
+    try:
+        return path.relative_to(root).as_posix()
+    except ValueError:
+        return path.name
+
+
+def _settings(config: ModelMergerConfig, actor: Path, meta: Any) -> tuple[AdapterSettings, str, Path | None]:
+    path, origin = _adapter_config_file(config, actor)
+    if path is None:
+        return AdapterSettings.from_meta(meta), origin, None
+    settings = load_adapter_settings(path)
+    if (settings.r, settings.lora_alpha) != (meta.r, meta.lora_alpha):
+        raise LoraError(
+            f"{origin} says r={settings.r}, lora_alpha={settings.lora_alpha} but {LORA_META} says r={meta.r}, "
+            f"lora_alpha={meta.lora_alpha}; they describe different trainings"
+        )
+    return settings, origin, path
+
+
+def detect_lora(config: ModelMergerConfig) -> LoraSpec | None:
+    """Find LoRA in a checkpoint (keys of rank 0 + lora_train_meta.json); None when there is none."""
+    actor = Path(config.local_dir or "").expanduser().resolve()
+    if not actor.is_dir():
+        raise CheckpointError(f"--local_dir {actor} is not a directory")
+    fsdp = read_fsdp_config(actor)
+    rank0 = rank_file_names(actor, fsdp.world_size)[0]
+    # mmap: unpickling the key list costs no private memory; every rank's keys are compared later.
+    keys = list(load_rank_state(actor / rank0, trust_checkpoint=config.trust_checkpoint))
+    layout = classify(keys)
+    has_meta = (actor / LORA_META).is_file()
+    if layout is LoraLayout.NONE and not has_meta:
+        _refuse_lora_flags(config)
+        return None
+    if layout is LoraLayout.NONE:
+        raise LoraError(f"{LORA_META} says this is a LoRA run, but the rank files hold no LoRA keys ('lora_' in "
+                        "the name); the rank files or the metadata belong to another run")
+    if not has_meta:
+        raise LoraError(f"the rank files hold LoRA adapters but {LORA_META} is missing, so r and lora_alpha are "
+                        "unknown; copy it from the training run's actor directory")
+    meta = load_train_meta(actor / LORA_META)
+    grouped = group_adapters(keys)
+    require_adapter(grouped, config.adapter_name)
+    if config.fuse_lora and config.adapter_format != "peft":
+        raise UsageError("--adapter-format chooses how an adapter is exported; with --fuse-lora no adapter is written")
+    settings, origin, path = _settings(config, actor, meta)
+    source_files = {LORA_META: sha256_file(actor / LORA_META)}
+    config_sha = None
+    if path is not None:
+        config_sha = sha256_file(path)
+        if origin != "--adapter-config":
+            source_files[origin] = config_sha
+    return LoraSpec.create(
+        layout=LORA_ONLY if layout is LoraLayout.LORA_ONLY else FULL_STATE,
+        fuse=config.fuse_lora,
+        adapter_name=config.adapter_name,
+        adapter_format=config.adapter_format,
+        adapters=list(grouped),
+        meta=meta,
+        settings=settings,
+        settings_origin=origin,
+        source_files=source_files,
+        adapter_config_sha256=config_sha,
+    )
+
+
+def lora_input_files(config: ModelMergerConfig, actor: Path, spec: LoraSpec) -> list[Path]:
+    """LoRA inputs that must not change during the export (metadata, adapter config)."""
+    files = [actor / LORA_META]
+    path, _ = _adapter_config_file(config, actor)
+    return files + ([path] if path is not None else [])
+
+
+def _recorded_name(base: Path, layout: BaseLayout) -> object:
+    root_config = base / ("model_index.json" if layout.kind == "pipeline" else "config.json")
+    data = read_json_strict(root_config, BaseModelError, f"{root_config.name} of the base")
+    return data.get("_name_or_path") if isinstance(data, dict) else None
+
+
+def is_native_h3(base: Path, layout: BaseLayout) -> bool:
+    """True for a native MiniMax H3 package (its transformer is a MiniMaxH3DiTModel)."""
+    if layout.kind == "pipeline":
+        index = read_json_strict(base / "model_index.json", BaseModelError, "model_index.json of the base")
+        if isinstance(index, dict) and NATIVE_H3_MARKER in index:
+            return True
+    config = layout.transformer_dir / "config.json"
+    data = read_json_strict(config, BaseModelError, "the base transformer's config.json") if config.is_file() else {}
+    return isinstance(data, dict) and data.get("_class_name") == NATIVE_H3_CLASS
+
+
+def _refuse_native_adapter(base: Path, layout: BaseLayout, spec: LoraSpec) -> None:
+    """Into a native MiniMax H3 package only a fused full-state save can go (fused before conversion)."""
+    if not is_native_h3(base, layout):
+        return
+    if spec.layout == LORA_ONLY:
+        raise LoraError(
+            "a LoRA-only save cannot go into a native MiniMax H3 package: its adapter is keyed by Diffusers module "
+            "names, which the native transformer renames and fuses (qkv_proj), and its frozen weights would have "
+            "to come from that converted base. Use a Diffusers base (--output_format transformer) or a full-state save"
+        )
+    if not spec.fuse:
+        raise LoraError(
+            "the base is a native MiniMax H3 package, whose transformer renames and fuses the Diffusers modules "
+            "(qkv_proj, blocks.*); an adapter keyed by Diffusers module names would not load there. Use "
+            "--fuse-lora to fold the adapter into the weights before conversion"
+        )
+
+
+def _base_weight_map(component_dir: Path, weights_name: str) -> dict[str, str]:
+    from mergeflow.safetensors_format import read_header
+
+    index = component_dir / f"{weights_name}.index.json"
+    if (component_dir / weights_name).is_file():
+        entries, _, _ = read_header(component_dir / weights_name)
+        return {key: weights_name for key in entries}
+    data = read_json_strict(index, BaseModelError, f"{component_dir.name}/{index.name}")
+    return dict(data["weight_map"])
+
+
+@dataclass(frozen=True)
+class LoraInputs:
+    """What the LoRA part adds to a MergePlan: the spec, input stamps and base files read."""
+
+    spec: dict[str, Any]
+    stamps: dict[str, FileStamp]
+    base_files: dict[str, str]
+
+
+def finish_lora_spec(
+    spec: LoraSpec, config: ModelMergerConfig, base: Path, layout: BaseLayout, component_dir: Path, weights_name: str
+) -> LoraInputs:
+    """Complete the spec once the local base is known: adapter base name, and base weights for LoRA-only fusion."""
+    actor = Path(config.local_dir or "").expanduser().resolve()
+    _refuse_native_adapter(base, layout, spec)
+    stamps = {str(p): FileStamp.of(p) for p in lora_input_files(config, actor, spec)}
+    base_files: dict[str, str] = {}
+    weight_map: dict[str, str] = {}
+    if spec.fuse and spec.layout == LORA_ONLY:
+        weight_map = _base_weight_map(component_dir, weights_name)
+        for file_name in sorted(set(weight_map.values())):
+            path = component_dir / file_name
+            stamps[str(path)] = FileStamp.of(path)
+            base_files[path.relative_to(base).as_posix()] = sha256_file(path)
+    reference = base_model_reference(config.base_model or "", base.name, _recorded_name(base, layout))
+    done = replace(spec, base_model_name_or_path=reference, base_weight_map=weight_map)
+    return LoraInputs(done.to_dict(), stamps, base_files)
+
+
+def inspect_adapter_export(config: ModelMergerConfig, spec: LoraSpec) -> MergePlan:
+    """Plan the export of a LoRA-only save's adapter: the base may be a Hub id that is not present locally."""
+    from mergeflow.tasks.inspect import _schema
+
+    if config.hf_upload_path:
+        raise NotSupportedYet("--hf_upload_path is not supported yet; upload the published directory with `hf upload`")
+    actor = Path(config.local_dir or "").expanduser().resolve()
+    cfg_dir = Path(config.hf_model_config_path or actor / "huggingface").expanduser().resolve()
+    target = check_target(Path(config.target_dir or ""))
+    check_no_overlap({"--local_dir": actor, "--target_dir": target})
+    check_no_overlap({"--hf_model_config_path": cfg_dir, "--target_dir": target})
+    fsdp = read_fsdp_config(actor)
+    rank_files = rank_file_names(actor, fsdp.world_size)
+    actor_config_path = cfg_dir / "config.json"
+    actor_config = read_model_config(actor_config_path, CheckpointError, "huggingface/config.json of the checkpoint")
+    base_arg = Path(config.base_model or "").expanduser()
+    base_files: dict[str, str] = {}
+    if base_arg.is_dir():
+        base = base_arg.resolve()
+        check_no_overlap({"--local_dir": actor, "--base_model": base, "--target_dir": target})
+        layout = detect_base(base, config.component)
+        _refuse_native_adapter(base, layout, spec)
+        base_config_path = layout.transformer_dir / "config.json"
+        base_config = read_model_config(base_config_path, BaseModelError, f"{base_config_path.relative_to(base)} of the base")
+        cls, expected = _schema(actor_config, base_config)
+        base_files[base_config_path.relative_to(base).as_posix()] = sha256_file(base_config_path)
+        reference = base_model_reference(config.base_model or "", base.name, _recorded_name(base, layout))
+        base_kind, base_dir, component_dir = layout.kind, str(base), str(layout.transformer_dir)
+    else:
+        reference = base_model_reference(config.base_model or "", None, None)
+        class_name = actor_config.get("_class_name")
+        if not isinstance(class_name, str):
+            raise CheckpointError("huggingface/config.json of the checkpoint has no _class_name")
+        cls = diffusers_model_class(class_name)
+        expected = {k: v.shape for k, v in expected_tensors(meta_model(cls, actor_config)).items()}
+        base_kind, base_dir, component_dir = "hub", "", ""
+    inputs = [actor / FSDP_CONFIG, actor_config_path] + [actor / n for n in rank_files]
+    inputs += lora_input_files(config, actor, spec)
+    stamps = {str(p): FileStamp.of(p) for p in inputs}
+    done = replace(spec, base_model_name_or_path=reference)
+    options = {k: v for k, v in config.to_dict().items() if k not in ("workers", "hf_upload_path", "private")}
+    fp = fingerprint([options, {k: list(v.__dict__.values()) for k, v in stamps.items()}, str(target), base_files])
+    return MergePlan(
+        config=config.to_dict(),
+        actor_dir=str(actor),
+        config_dir=str(cfg_dir),
+        base_dir=base_dir,
+        target=str(target),
+        staging=str(staging_dir_for(target, fp)),
+        lock=str(lock_path_for(target)),
+        world_size=fsdp.world_size,
+        fsdp_version=fsdp.version,
+        rank_files=tuple(rank_files),
+        base_kind=base_kind,
+        architecture=cls.__name__,
+        transformer_class=cls.__name__,
+        component=config.component,
+        base_component_dir=component_dir,
+        tensor_directory=".",
+        artifact_type="peft_adapter",
+        weights_name=adapter_weights_name(spec.adapter_format),
+        expected_shapes=expected,
+        keep_fp32=keep_in_fp32_modules(cls),
+        input_stamps=stamps,
+        source_config_sha256=sha256_file(actor_config_path),
+        base_files=base_files,
+        fingerprint=fp,
+        lora=done.to_dict(),
+    )

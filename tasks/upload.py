@@ -1,0 +1,50 @@
+"""Uploading a published artifact to the Hugging Face Hub, as retryable Prefect tasks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+from prefect.artifacts import create_link_artifact
+
+from mergeflow.errors import UploadTransientError
+
+
+def retry_transient_upload(task: Any, task_run: Any, state: Any) -> bool:
+    """Only transient Hub failures (network, 5xx, 429) are worth another Prefect-level attempt."""
+    try:
+        state.result()
+    except (UploadTransientError, ConnectionError, TimeoutError):
+        return True
+    except Exception:
+        return False
+    return False
+
+
+def _link(record: dict[str, Any]) -> None:
+    key = "hub-" + "".join(c if c.isalnum() else "-" for c in record["repo_id"].lower()).strip("-")
+    create_link_artifact(link=record["url"], link_text=f"{record['repo_id']} @ {record['commit_sha'][:10]}", key=key[:100],
+                         description="The uploaded, verified artifact on the Hugging Face Hub")
+
+
+# The token is never a task parameter (Prefect records parameters): huggingface_hub reads
+# HF_TOKEN or the stored login itself.
+@task(name="upload-to-hub", task_run_name="upload-{repo_id}", retries=2, retry_delay_seconds=10,
+      retry_condition_fn=retry_transient_upload)
+def upload_to_hub(artifact_dir: str, repo_id: str, private: bool = False) -> dict[str, Any]:
+    """Upload the published artifact as one commit and verify every file on the Hub."""
+    from mergeflow.hub import upload_artifact
+
+    record = upload_artifact(Path(artifact_dir), repo_id, private=private).to_dict()
+    _link(record)
+    return record
+
+
+@task(name="verify-upload", task_run_name="verify-upload-{repo_id}", retries=2, retry_delay_seconds=10,
+      retry_condition_fn=retry_transient_upload)
+def verify_hub_upload(artifact_dir: str, repo_id: str, revision: str | None = None) -> dict[str, Any]:
+    """Check that the Hub repo holds exactly the artifact's files (sizes and sha256)."""
+    from mergeflow.hub import verify_upload
+
+    return verify_upload(Path(artifact_dir), repo_id, revision=revision).to_dict()

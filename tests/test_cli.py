@@ -1,0 +1,151 @@
+"""The command line as users type it: subprocesses against the session's real Prefect server."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from builders import leftovers, make_export, tree_digest
+from mergeflow.flows.cli import build_parser
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "mergeflow", *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture()
+def env(prefect_server) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    e = prefect_server.client_env()
+    e["HF_HUB_OFFLINE"] = "1"
+    return e
+
+
+def merge_args(ex, target: Path, *extra: str) -> list[str]:  # type: ignore[no-untyped-def]
+    return ["merge", "--backend", "fsdp", "--local_dir", str(ex.actor_dir), "--target_dir", str(target),
+            "--base_model", str(ex.base_dir), "--output_format", "transformer", *extra]
+
+
+def test_merge_then_test_print_one_json_line(tmp_path: Path, env: dict[str, str]) -> None:
+    ex = make_export(tmp_path, "FluxTransformer2DModel", 3)
+    target = tmp_path / "out"
+    proc = run_cli(merge_args(ex, target), env)
+    assert proc.returncode == 0, proc.stderr
+    last = proc.stdout.strip().splitlines()[-1]
+    assert json.loads(last) == {"output_dir": str(target), "manifest_path": str(target / "merge_manifest.json")}
+    assert "tensors" in proc.stderr and "MB written" in proc.stderr  # the progress line
+    assert "Traceback" not in proc.stderr
+    proc = run_cli(["test", "--backend", "fsdp", "--test_hf_dir", str(target)], env)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"integrity": "passed", "architecture": "FluxTransformer2DModel"}
+
+
+def test_bad_input_is_one_line_and_nonzero(tmp_path: Path, env: dict[str, str]) -> None:
+    ex = make_export(tmp_path, "FluxTransformer2DModel", 2)
+    (ex.actor_dir / "model_world_size_2_rank_1.pt").unlink()
+    proc = run_cli(merge_args(ex, tmp_path / "out"), env)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("mergeflow: error:") and "missing" in lines[0], proc.stderr
+    assert not (tmp_path / "out").exists()
+    proc = run_cli(merge_args(ex, tmp_path / "out", "--debug"), env)
+    assert proc.returncode == 2 and "Traceback" in proc.stderr
+
+
+def test_test_command_fails_on_a_changed_byte(tmp_path: Path, env: dict[str, str]) -> None:
+    ex = make_export(tmp_path, "FluxTransformer2DModel", 2)
+    target = tmp_path / "out"
+    assert run_cli(merge_args(ex, target), env).returncode == 0
+    weights = target / "diffusion_pytorch_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x80
+    weights.write_bytes(bytes(data))
+    proc = run_cli(["test", "--backend", "fsdp", "--test_hf_dir", str(target)], env)
+    assert proc.returncode == 2 and "sha256" in proc.stderr and proc.stdout == ""
+
+
+def test_two_concurrent_merges_to_one_target_publish_once(tmp_path: Path, env: dict[str, str]) -> None:
+    ex = make_export(tmp_path, "SD3Transformer2DModel", 4)
+    target = tmp_path / "out"
+    results: list[subprocess.CompletedProcess[str]] = []
+
+    def go() -> None:
+        results.append(run_cli(merge_args(ex, target, "--max_shard_size", "30000"), env))
+
+    threads = [threading.Thread(target=go) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    codes = sorted(r.returncode for r in results)
+    assert codes == [0, 2], [r.stderr for r in results]
+    loser = next(r for r in results if r.returncode)
+    assert "another mergeflow export" in loser.stderr or "already exists" in loser.stderr
+    assert leftovers(tmp_path, ".out.") == []
+    run = run_cli(["test", "--backend", "fsdp", "--test_hf_dir", str(target)], env)
+    assert run.returncode == 0
+
+
+def test_inspect_describes_the_checkpoint(tmp_path: Path, env: dict[str, str]) -> None:
+    ex = make_export(tmp_path, "WanTransformer3DModel", 4, mesh_shape=(2, 2))
+    proc = run_cli(["inspect", "--local_dir", str(ex.actor_dir)], env)
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert info["world_size"] == 4 and info["layout"] == "HSDP" and info["class_name"] == "WanTransformer3DModel"
+    assert info["tensors"] == len(ex.actor.state_dict()) and info["lora_adapters"] == []
+    assert info["bytes"] == sum(v.numel() * v.element_size() for v in ex.actor.state_dict().values())
+
+
+def test_demo_runs_end_to_end(tmp_path: Path, env: dict[str, str]) -> None:
+    proc = run_cli(["demo", "--workdir", str(tmp_path / "demo")], env)
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert info["integrity"] == "passed" and Path(info["output_dir"]).is_dir()
+
+
+def test_every_reference_flag_is_accepted() -> None:
+    parser = build_parser()
+    for spelling in (
+        ["--max_shard_size", "5", "--output_format", "transformer", "--base_model", "b", "--hf_upload_path", "o/r", "--adapter_name", "x"],
+        ["--max-shard-size", "5", "--output-format", "transformer", "--base-model", "b", "--adapter-name", "x"],
+    ):
+        args = parser.parse_args(["merge", "--backend", "fsdp", "--local_dir", "l", "--target_dir", "t",
+                                  "--hf_model_config_path", "h", "--dtype", "bfloat16", "--private",
+                                  "--trust-checkpoint", "--trust-remote-code", "--fuse-lora", *spelling])
+        assert args.max_shard_size == 5 and args.output_format == "transformer" and args.base_model == "b"
+        assert args.adapter_name == "x" and args.fuse_lora and args.trust_checkpoint and args.trust_remote_code
+    with pytest.raises(SystemExit):
+        parser.parse_args(["merge", "--backend", "fsdp", "--max_shard_size", "0"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["merge", "--backend", "megatron"])
+
+
+def test_merge_uploads_to_a_hub_and_reports_it(tmp_path: Path, env: dict[str, str]) -> None:
+    from hub_server import LocalHubServer
+
+    ex = make_export(tmp_path, "FluxTransformer2DModel", 2)
+    target = tmp_path / "out"
+    with LocalHubServer() as hub:
+        hub_env = dict(env, HF_ENDPOINT=hub.base_url, HF_HUB_OFFLINE="0", HF_HUB_DISABLE_XET="1", HF_TOKEN="hf_" + "x" * 30)
+        proc = run_cli(merge_args(ex, target, "--hf_upload_path", "team/tiny", "--private"), hub_env)
+        assert proc.returncode == 0, proc.stderr
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert out["upload"]["status"] == "uploaded" and out["upload"]["private"] is True
+        assert out["upload"]["files_verified"] == 3
+        remote = {k: v for k, v in hub.files("team/tiny").items() if k != ".gitattributes"}
+        assert set(remote) == set(tree_digest(target))
+        hub.fail_next("preupload", 401, count=5)
+        before = tree_digest(target)
+        proc = run_cli(["upload", "--test_hf_dir", str(target), "--hf_upload_path", "team/tiny"], hub_env)
+        assert proc.returncode == 2, proc.stderr
+        assert "401" in proc.stderr and hub_env["HF_TOKEN"] not in proc.stderr
+        assert tree_digest(target) == before
+        proc = run_cli(["verify-upload", "--test_hf_dir", str(target), "--hf_upload_path", "team/tiny"], hub_env)
+        assert proc.returncode == 0, proc.stderr

@@ -1,0 +1,187 @@
+"""Resume: a failed or killed merge keeps its staging; a retry or rerun reuses finished shards (Cached)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from builders import assert_bit_exact, make_export, output_state, tree_digest
+from mergeflow import merge_model, validate_artifact
+from mergeflow.errors import ValidationError
+from mergeflow.flows.merge import merge_flow
+from mergeflow.flows.runners import make_task_runner
+from mergeflow.staging import list_staging
+from prefect_runs import latest_flow_run, shard_states, task_runs
+
+TESTS = Path(__file__).parent
+SHARD = 60_000  # the tiny Flux (~270 KB) splits into several shards
+
+
+def corrupt_one_shard_before_validation(monkeypatch: pytest.MonkeyPatch, index: int) -> list[Path]:
+    """Flip one byte of the index-th staged shard after it was written and verified, just before validation."""
+    import mergeflow.tasks.validate as validate_module
+
+    original = validate_module.validate_staged
+    hit: list[Path] = []
+
+    def corrupting(plan: Any, manifest: dict[str, Any]) -> Any:
+        path = sorted(Path(plan.tensor_dir).glob("*.safetensors"))[index]
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+        hit.append(path)
+        return original(plan, manifest)
+
+    monkeypatch.setattr(validate_module, "validate_staged", corrupting)
+    return hit
+
+
+def failing_merge(config: Any) -> tuple[Any, Any]:
+    state = merge_flow.with_options(task_runner=make_task_runner(workers=2))(config=config, return_state=True)
+    assert state.is_failed(), state
+    return state, state.state_details.flow_run_id
+
+
+def shard_names(target: Path) -> list[str]:
+    return sorted(p.name for p in target.glob("*.safetensors"))
+
+
+def test_failed_validation_keeps_staging_and_a_fresh_run_reuses_shards(tmp_path: Path, prefect_api: Any,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    ex = make_export(tmp_path, "FluxTransformer2DModel", 2)
+    reference = Path(merge_model(ex.config(tmp_path / "reference", max_shard_size=SHARD)).output_dir)
+    names = shard_names(reference)
+    assert len(names) >= 4
+    bad = names[1]  # write-shard-00001
+
+    target = tmp_path / "exports" / "step1"
+    target.parent.mkdir()
+    config = ex.config(target, max_shard_size=SHARD)
+    hit = corrupt_one_shard_before_validation(monkeypatch, 1)
+    state, first_id = failing_merge(config)
+    assert [p.name for p in hit] == [bad] and not target.exists()
+    with pytest.raises(ValidationError):
+        state.result()
+    staged = list_staging(tmp_path / "exports")
+    assert len(staged) == 1 and staged[0].target == str(target) and not staged[0].locked
+    assert staged[0].resumable_shards == len(names) and staged[0].has_manifest
+
+    # The validate flow runs alone on the kept staging directory and names the damaged shard.
+    with pytest.raises(ValidationError, match=bad.replace(".", r"\.")):
+        validate_artifact(staged[0].path)
+
+    monkeypatch.undo()  # the cause is gone
+    fresh = merge_model(config)
+    second_id = latest_flow_run("merge-step1").id
+    assert second_id != first_id
+    runs = task_runs(second_id, lambda r: len(shard_states(r)) == len(names))
+    states = shard_states(runs)
+    assert states.pop(f"write-shard-{names.index(bad):05d}") == "Completed"  # rewritten: its stamp changed
+    assert set(states.values()) == {"Cached"}, states
+    out = Path(fresh.output_dir)
+    assert tree_digest(out) == tree_digest(reference)
+    assert_bit_exact(ex.actor.state_dict(), output_state(out))
+    assert list_staging(tmp_path / "exports") == []
+    assert validate_artifact(out)["integrity"] == "passed"
+
+
+def test_retry_of_the_same_flow_run_reuses_shards(tmp_path: Path, prefect_api: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from prefect.settings import PREFECT_API_URL, PREFECT_LOCAL_STORAGE_PATH
+
+    ex = make_export(tmp_path, "FluxTransformer2DModel", 2)
+    target = tmp_path / "retried"
+    config = ex.config(target, max_shard_size=SHARD)
+    hit = corrupt_one_shard_before_validation(monkeypatch, 1)
+    _, flow_run_id = failing_merge(config)
+    monkeypatch.undo()
+    count = len(list(hit[0].parent.glob("*.safetensors")))
+    assert count >= 4
+
+    # Exactly what a user types; it needs this process's result storage to find the cached shards.
+    env = dict(os.environ, PREFECT_API_URL=str(PREFECT_API_URL.value()),
+               PREFECT_LOCAL_STORAGE_PATH=str(PREFECT_LOCAL_STORAGE_PATH.value()))
+    retry = subprocess.run(
+        [sys.executable, "-m", "prefect", "flow-run", "retry", str(flow_run_id), "--entrypoint", "mergeflow.flows.merge.merge_flow"],
+        env=env, capture_output=True, text=True, timeout=240,
+    )
+    assert retry.returncode == 0, retry.stdout[-3000:] + retry.stderr[-3000:]
+    assert (target / "merge_manifest.json").is_file()
+    runs = task_runs(flow_run_id, lambda r: len(shard_states(r, attempt=2)) == count)
+    first, second = shard_states(runs, attempt=1), shard_states(runs, attempt=2)
+    assert set(first.values()) == {"Completed"} and len(first) == count
+    assert second.pop("write-shard-00001") == "Completed"
+    assert set(second.values()) == {"Cached"}, second
+    assert_bit_exact(ex.actor.state_dict(), output_state(target))
+    assert validate_artifact(target)["integrity"] == "passed"
+
+
+def _merge_args(ex: Any, target: Path) -> list[str]:
+    return ["merge", "--backend", "fsdp", "--local_dir", str(ex.actor_dir), "--base_model", str(ex.base_dir),
+            "--target_dir", str(target), "--output_format", "transformer", "--max_shard_size", str(SHARD), "--workers", "1"]
+
+
+def test_merge_killed_mid_write_resumes_byte_identical(tmp_path: Path, prefect_server: Any, prefect_api: Any) -> None:
+    ex = make_export(tmp_path, "FluxTransformer2DModel", 2)
+    reference = Path(merge_model(ex.config(tmp_path / "reference", max_shard_size=SHARD)).output_dir)
+    target = tmp_path / "killed"
+    env = prefect_server.client_env()
+    proc = subprocess.Popen([sys.executable, str(TESTS / "slow_cli.py"), "0.1", *_merge_args(ex, target)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 120
+    records: list[Path] = []
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            records = list(tmp_path.glob(".killed.mergeflow-staging-*/work/shard-*.json"))
+            if records and list(tmp_path.glob(".killed.mergeflow-staging-*/work/*.partial")):
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, f"finished before it could be killed: {proc.communicate()[1][-2000:]!r}"
+        assert records, "no shard was finished within the time limit"
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finished = len(list(tmp_path.glob(".killed.mergeflow-staging-*/work/shard-*.json")))
+    assert not target.exists() and (tmp_path / ".killed.mergeflow.lock").exists()
+    staged = list_staging(tmp_path)
+    assert [s.target for s in staged] == [str(target)] and not staged[0].locked
+    assert 1 <= staged[0].resumable_shards < len(shard_names(reference))
+
+    rerun = subprocess.run([sys.executable, "-m", "mergeflow", *_merge_args(ex, target)], env=env,
+                           capture_output=True, text=True, timeout=240)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert json.loads(rerun.stdout.strip().splitlines()[-1])["output_dir"] == str(target)
+    assert tree_digest(target) == tree_digest(reference)  # staging and target names differ, bytes do not
+    assert list_staging(tmp_path) == [] and not (tmp_path / ".killed.mergeflow.lock").exists()
+    resumed = latest_flow_run("merge-killed")
+    states = shard_states(task_runs(resumed.id, lambda r: len(shard_states(r)) == len(shard_names(reference))))
+    assert list(states.values()).count("Cached") >= finished, states
+
+
+def test_dask_local_cluster_gives_a_byte_identical_artifact(tmp_path: Path, prefect_api: Any) -> None:
+    from distributed import LocalCluster
+
+    ex = make_export(tmp_path, "FluxTransformer2DModel", 2)
+    threaded = Path(merge_model(ex.config(tmp_path / "threads", max_shard_size=SHARD)).output_dir)
+    with LocalCluster(n_workers=2, processes=True, threads_per_worker=1, dashboard_address=None) as cluster:
+        result = merge_model(ex.config(tmp_path / "dask", max_shard_size=SHARD), task_runner="dask",
+                             dask_address=cluster.scheduler_address)
+        with cluster.get_client() as client:
+            # Only a task that ran in a worker process makes it import the shard writer.
+            ran_there = client.run(lambda: __import__("sys").modules.get("mergeflow.tasks.write") is not None)
+    assert len(ran_there) == 2 and any(ran_there.values())
+    out = Path(result.output_dir)
+    assert tree_digest(out) == tree_digest(threaded)
+    assert validate_artifact(out)["integrity"] == "passed"
+    run = latest_flow_run("merge-dask")
+    states = shard_states(task_runs(run.id, lambda r: len(shard_states(r)) == len(shard_names(out))))
+    assert len(states) == len(shard_names(out)) and set(states.values()) == {"Completed"}
