@@ -144,16 +144,25 @@ def test_modular_export_loads_with_modular_pipeline(tmp_path: Path, prefect_serv
 
     transformer = build_transformer(H3, seed=0)
     base = build_minimax_h3_modular(tmp_path / "base", transformer)
+    # What ModularPipeline.save_pretrained writes for a local save: the save directory in a spec.
+    index_path = base / "modular_model_index.json"
+    index = json.loads(index_path.read_text())
+    index["transformer_ref"][2]["pretrained_model_name_or_path"] = str(base)
+    index_path.write_text(json.dumps(index, indent=2))
     actor, actor_dir = make_actor(transformer, tmp_path)
     item = export(prefect_server, Exported(base, actor_dir, actor), tmp_path / "out")
     assert item.out is not None
     assert item.manifest["artifact_type"] == "diffusers_pipeline"
     assert item.manifest["architecture"] == "MiniMaxH3ModularPipeline"
+    assert item.manifest["config_transform"]["removed_keys"] == {
+        "modular_model_index.json": ["transformer_ref.pretrained_model_name_or_path"]
+    }
     assert not (item.out / "model_index.json").exists()
     assert_copied_unchanged(item)  # transformer_ref, schedulers, VAEs, text side: byte for byte
     pipe = ModularPipeline.from_pretrained(str(item.out), local_files_only=True)
     assert type(pipe).__name__ == "MiniMaxH3ModularPipeline"
-    assert pipe._component_specs["transformer"].pretrained_model_name_or_path == str(item.out)
+    for name in ("transformer", "transformer_ref"):  # both resolve to the artifact's own copy
+        assert pipe._component_specs[name].pretrained_model_name_or_path == str(item.out)
     pipe.load_components(names=["transformer", "transformer_ref"], dtype=torch.float32)
     assert_state_equal(pipe.transformer, actor)
     assert_same_forward(pipe.transformer, actor)
