@@ -149,3 +149,28 @@ def test_merge_uploads_to_a_hub_and_reports_it(tmp_path: Path, env: dict[str, st
         assert tree_digest(target) == before
         proc = run_cli(["verify-upload", "--test_hf_dir", str(target), "--hf_upload_path", "team/tiny"], hub_env)
         assert proc.returncode == 0, proc.stderr
+
+
+def test_disk_full_is_one_line_and_keeps_the_staging_for_resume(tmp_path: Path, env: dict[str, str]) -> None:
+    """A file-size limit makes the shard write fail like a full disk (EFBIG instead of ENOSPC)."""
+    import resource
+    import signal
+
+    ex = make_export(tmp_path, "FluxTransformer2DModel", 2)
+    target = tmp_path / "out"
+
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+
+    proc = subprocess.run([sys.executable, "-m", "mergeflow", *merge_args(ex, target)], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=300, preexec_fn=limit)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("mergeflow: 0 tensors")]
+    assert lines[-1].startswith("mergeflow: error: no space left") and "resume" in lines[-1], proc.stderr
+    assert not target.exists()
+    kept = leftovers(tmp_path, ".out.")
+    assert len(kept) == 1 and ".mergeflow-staging-" in kept[0]
+    proc = run_cli(merge_args(ex, target), env)  # space is back: the same command resumes and publishes
+    assert proc.returncode == 0, proc.stderr
+    assert leftovers(tmp_path, ".out.") == []
