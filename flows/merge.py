@@ -8,13 +8,14 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.futures import as_completed
 from prefect.runtime import flow_run
+from prefect.utilities.annotations import opaque
 
+from mergeflow.adapters import convert_writes
 from mergeflow.config import ModelMergerConfig
 from mergeflow.errors import MergeflowError, UploadError
 from mergeflow.fsops import TargetLock
 from mergeflow.paths import check_target
 from mergeflow.records import MergePlan, ShardRecord
-from mergeflow.adapters import convert_writes
 from mergeflow.tasks.copy import copy_components
 from mergeflow.tasks.inspect import inspect_inputs
 from mergeflow.tasks.load import load_rank_shards
@@ -33,24 +34,35 @@ def merge_run_name() -> str:
     return f"merge-{Path(str(target or 'artifact')).name}"
 
 
+def light(value: Any) -> Any:
+    """A record (or list of records) for a task argument that Prefect will not walk field by field.
+
+    Prefect visits every nested value of every task argument, on every call, looking for
+    futures: for a plan and rank indexes of a model with thousands of tensors that costs
+    seconds per call. `opaque` skips the walk but still links the value to its task run.
+    """
+    return [opaque(v) for v in value] if isinstance(value, list) else opaque(value)
+
+
 def run_export(plan: MergePlan) -> tuple[dict[str, str], dict[str, Any]]:
     """The steps after inspection, run while the target lock is held."""
     logger = get_run_logger()
     check_target(Path(plan.target))  # re-checked under the lock: another export may have finished
-    rank_futures = [load_rank_shards.submit(plan, rank) for rank in range(plan.world_size)]
+    rank_futures = [load_rank_shards.submit(light(plan), rank) for rank in range(plan.world_size)]
     indexes = [f.result() for f in rank_futures]
     logger.info("Indexed %d rank files of world size %d", len(indexes), plan.world_size)
-    lora = plan_lora(plan, indexes) if plan.lora is not None else None
-    adapter = write_lora_adapter(plan, lora, indexes) if lora is not None and lora.exports_adapter else None
+    lora = plan_lora(light(plan), light(indexes)) if plan.lora is not None else None
+    adapter = write_lora_adapter(light(plan), light(lora), light(indexes)) if lora is not None and lora.exports_adapter else None
     if lora is not None and not lora.writes_model:  # a LoRA-only adapter export: lora_adapter/ is the artifact
-        return publish(plan, validate_staged_task(plan, adapter.manifest)), adapter.manifest
-    writes = plan_lora_writes(plan, lora, indexes) if lora is not None else plan_reconstruction(plan, indexes)
+        return publish(light(plan), validate_staged_task(light(plan), adapter.manifest)), adapter.manifest
+    writes = (plan_lora_writes(light(plan), light(lora), light(indexes)) if lora is not None
+              else plan_reconstruction(light(plan), light(indexes)))
     writes = convert_writes(plan.extras, writes)  # architecture adapters (native MiniMax H3); else unchanged
     # Pipeline assets are copied while the shards are written.
-    copy_future = copy_components.submit(plan) if plan.copy_files else None
+    copy_future = copy_components.submit(light(plan)) if plan.copy_files else None
     output = pack_shards(writes, plan.config["max_shard_size"], plan.weights_name, plan.fingerprint)
     progress = start_progress(plan, len(output.shards))
-    futures = [write_shard.submit(plan, shard) for shard in output.shards]
+    futures = [write_shard.submit(light(plan), light(shard)) for shard in output.shards]
     records: dict[str, ShardRecord] = {}
     for future in as_completed(futures):
         record = future.result()
@@ -60,10 +72,10 @@ def run_export(plan: MergePlan) -> tuple[dict[str, str], dict[str, Any]]:
     logger.info("Wrote %d shard(s), %d tensors, %d bytes", len(ordered), output.tensor_count, output.total_size)
     copied = copy_future.result() if copy_future is not None else None
     extra_files = (list(adapter.files) if adapter else []) + (list(copied.files) if copied else [])
-    manifest = write_metadata(plan, output, indexes, ordered, extra_files or None,
+    manifest = write_metadata(light(plan), light(output), light(indexes), light(ordered), extra_files or None,
                               lora.fusion_record() if lora else None)
-    report = validate_staged_task(plan, manifest)
-    result = publish(plan, report)
+    report = validate_staged_task(light(plan), light(manifest))
+    result = publish(light(plan), light(report))
     return result, manifest
 
 

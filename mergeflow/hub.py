@@ -25,8 +25,9 @@ from urllib.parse import urlsplit, urlunsplit
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, get_token
 from huggingface_hub.hf_api import CommitInfo, RepoFile
 
-from mergeflow.errors import PathSafetyError, UploadError, UploadVerificationError
+from mergeflow.errors import PathSafetyError, UploadError, UploadVerificationError, ValidationError
 from mergeflow.fsops import sha256_file
+from mergeflow.lora_artifact import adapter_only_root
 from mergeflow.manifest import MANIFEST_NAME
 from mergeflow.paths import check_relative_name
 from mergeflow.hub_retry import call_with_retries
@@ -79,9 +80,13 @@ def _is_safe_relative(path: str) -> bool:
 def read_artifact_files(artifact_dir: Path) -> ArtifactFiles:
     """Read the manifest and check cheaply (no hashing of listed files) that every listed file is there."""
     root = Path(artifact_dir)
-    manifest_path = root / MANIFEST_NAME
     if not root.is_dir():
         raise UploadError(f"Cannot upload {root}: it is not a directory.")
+    try:  # a LoRA-only adapter export publishes lora_adapter/ alone: that directory is the artifact (and the repo)
+        root = adapter_only_root(root) or root
+    except ValidationError as exc:
+        raise UploadError(f"Cannot upload {root}: {exc}") from None
+    manifest_path = root / MANIFEST_NAME
     if manifest_path.is_symlink() or not manifest_path.is_file():
         raise UploadError(f"Cannot upload {root}: {MANIFEST_NAME} is missing; only published mergeflow artifacts can be uploaded.")
     try:

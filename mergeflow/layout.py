@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mergeflow.errors import CheckpointError, ShardLayoutError
 from mergeflow.rank_files import TensorEntry
@@ -123,14 +123,8 @@ def _mark_ties(layouts: dict[str, TensorLayout], rank0: dict[str, TensorEntry]) 
             continue
         keys.sort()
         for other in keys[1:]:
-            layouts[other] = _with_tie(layouts[other], keys[0])
+            layouts[other] = replace(layouts[other], tied_to=keys[0])
     return layouts
-
-
-def _with_tie(layout: TensorLayout, tied_to: str) -> TensorLayout:
-    from dataclasses import replace
-
-    return replace(layout, tied_to=tied_to)
 
 
 def replica_pairs(layout: TensorLayout) -> list[tuple[int, int]]:

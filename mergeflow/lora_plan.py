@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from mergeflow.errors import LoraError, UsageError
-from mergeflow.lora_artifact import ADAPTER_DIR
 from mergeflow.lora_config import (
     AdapterSettings,
     LoraTrainMeta,

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from mergeflow.architectures import (
+    INDEX_FILES,
     KNOWN_LIBRARIES,
     MODEL,
     PROCESSOR,
@@ -218,8 +219,7 @@ def check_pipeline_contract(base_dir: Path, *, component: str, trust_remote_code
 
 def check_pipeline_artifact(root: Path, manifest: dict[str, Any]) -> None:
     """`test` for pipelines: the index agrees with the manifest and every declared component is there."""
-    found = read_index_for_test(root)
-    index_file, index = found
+    index_file, index = read_index_for_test(root)
     if index.get("_class_name") != manifest["architecture"]:
         raise ValidationError(f"{index_file} names {index.get('_class_name')!r}, but the manifest says {manifest['architecture']!r}")
     trained = manifest["tensor_directory"]
@@ -241,7 +241,7 @@ def check_pipeline_artifact(root: Path, manifest: dict[str, Any]) -> None:
 
 def read_index_for_test(root: Path) -> tuple[str, dict[str, Any]]:
     """The artifact's pipeline index, read strictly; a pipeline artifact without one is invalid."""
-    for name in ("model_index.json", "modular_model_index.json"):
+    for name in INDEX_FILES:
         if (root / name).is_file():
             data = read_json_strict(root / name, ValidationError, name)
             if not isinstance(data, dict):

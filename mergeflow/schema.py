@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
-from mergeflow.errors import BaseModelError, SchemaMismatchError
+from mergeflow.errors import BaseModelError, SchemaMismatchError, ValidationError
 from mergeflow.jsonfiles import read_json_strict
 from mergeflow.paths import check_relative_name
 from mergeflow.rank_files import dtype_name
-from mergeflow.safetensors_format import read_header
+from mergeflow.safetensors_format import HeaderEntry, read_header
 
 
 def diffusers_model_class(class_name: str) -> type:
@@ -123,9 +123,7 @@ def base_weight_headers(model_dir: Path, *, weights_name: str = "diffusion_pytor
     return out
 
 
-def _header(path: Path):  # type: ignore[no-untyped-def]
-    from mergeflow.errors import ValidationError
-
+def _header(path: Path) -> tuple[dict[str, HeaderEntry], dict[str, str], int]:
     try:
         return read_header(path)
     except ValidationError as exc:

@@ -1,4 +1,10 @@
-"""What every task module shares: which failures are worth a retry."""
+"""What every task module shares: which failures are worth a retry.
+
+Caching convention: only rank indexing and shard writing are cached (their cache keys are
+built from file stamps). Every other task sets `cache_policy=NO_CACHE`: Prefect's default
+policy hashes all task inputs on every call (seconds for the plan of a big model), and those
+steps are cheap to redo.
+"""
 
 from __future__ import annotations
 

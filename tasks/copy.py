@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from mergeflow.config_paths import is_config_json, strip_local_paths
 from mergeflow.errors import DiskFullError, InputChangedError
@@ -139,6 +140,7 @@ def copy_base_files(plan: MergePlan, *, workers: int = 2) -> CopyResult:
     retries=2,
     retry_delay_seconds=1,
     retry_condition_fn=retry_transient,
+    cache_policy=NO_CACHE,
 )
 def copy_components(plan: MergePlan) -> CopyResult:
     """Copy the base pipeline's non-trained files into staging, each one hash-verified."""

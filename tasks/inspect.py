@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from mergeflow.architectures import BaseLayout, detect_base
 from mergeflow.checkpoint import FSDP_CONFIG, LORA_META, read_fsdp_config, rank_file_names
@@ -111,7 +112,7 @@ def inspect_merge(config: ModelMergerConfig) -> MergePlan:
     )
 
 
-@task(name="inspect", task_run_name="inspect-inputs")
+@task(name="inspect", task_run_name="inspect-inputs", cache_policy=NO_CACHE)
 def inspect_inputs(config: ModelMergerConfig) -> MergePlan:
     """Check flags, paths, checkpoint files and the base schema; plan the export."""
     return inspect_merge(config)

@@ -10,15 +10,17 @@ from pathlib import Path
 from typing import Any
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from mergeflow.errors import LoraError
 from mergeflow.fsops import sha256_file
 from mergeflow.jsonfiles import write_bytes_durable, write_json_durable
 from mergeflow.layout import TensorLayout, plan_layouts
-from mergeflow.lora_config import peft_adapter_config
 from mergeflow.lora_export import adapter_config_json, diffusers_lora_keys, diffusers_lora_metadata, peft_adapter_keys
 from mergeflow.lora_keys import base_state_keys, group_adapters, saved_module_overrides, saved_modules, target_modules
-from mergeflow.lora_plan import ADAPTER_DIR, FULL_STATE, LoraPlan, LoraSpec, default_scaling, validate_all_adapters
+from mergeflow.lora_artifact import ADAPTER_DIR
+from mergeflow.lora_config import peft_adapter_config
+from mergeflow.lora_plan import FULL_STATE, LoraPlan, LoraSpec, default_scaling, validate_all_adapters
 from mergeflow.manifest import MANIFEST_NAME, fingerprint
 from mergeflow.records import FileRecord, MergePlan, RankIndex, ShardPlan, ShardRecord, TensorWrite
 from mergeflow.safetensors_format import nbytes
@@ -222,20 +224,20 @@ def write_adapter(plan: MergePlan, lora: LoraPlan, indexes: list[RankIndex]) -> 
     return AdapterExport(files=rooted, manifest=manifest, shard=record)
 
 
-@task(name="plan-lora", task_run_name="plan-lora")
+@task(name="plan-lora", task_run_name="plan-lora", cache_policy=NO_CACHE)
 def plan_lora(plan: MergePlan, indexes: list[RankIndex]) -> LoraPlan:
     """Validate every LoRA adapter (pairs, ranks, shapes, targets) and record what is fused or exported."""
     return plan_lora_export(plan, indexes)
 
 
-@task(name="plan-lora-writes", task_run_name="plan-lora-writes")
+@task(name="plan-lora-writes", task_run_name="plan-lora-writes", cache_policy=NO_CACHE)
 def plan_lora_writes(plan: MergePlan, lora: LoraPlan, indexes: list[RankIndex]) -> list[TensorWrite]:
     """Plan the model's tensors of a LoRA export: base weights, fused where asked, checked against the base."""
     return lora_tensor_writes(plan, lora, indexes)
 
 
 @task(name="write-lora-adapter", task_run_name="write-lora-adapter", retries=2, retry_delay_seconds=1,
-      retry_condition_fn=retry_transient)
+      retry_condition_fn=retry_transient, cache_policy=NO_CACHE)
 def write_lora_adapter(plan: MergePlan, lora: LoraPlan, indexes: list[RankIndex]) -> AdapterExport:
     """Stream the selected adapter into lora_adapter/ with its PEFT (or Diffusers) config and manifest."""
     return write_adapter(plan, lora, indexes)

@@ -44,14 +44,6 @@ def base_model_source(file: Path, key: str) -> dict[str, Any]:
     return {"from": "base_model", "file": str(file), "key": key}
 
 
-def computed_source(write: TensorWrite) -> dict[str, Any]:
-    """A SOURCE record for the result of another (possibly transformed) write."""
-    if write.transform is None:
-        return checkpoint_source(write.layout)
-    return {"from": "computed", "name": write.name, "out_dtype": write.out_dtype,
-            "layout": asdict(write.layout), "transform": write.transform}
-
-
 def layout_of(source: dict[str, Any]) -> TensorLayout:
     """The TensorLayout of a checkpoint SOURCE (lists from JSON become tuples again)."""
     data = dict(source["layout"])

@@ -12,7 +12,7 @@ from typing import Any
 from mergeflow.architectures import BaseLayout, detect_base
 from mergeflow.checkpoint import FSDP_CONFIG, LORA_META, read_fsdp_config, rank_file_names
 from mergeflow.config import ModelMergerConfig
-from mergeflow.errors import BaseModelError, CheckpointError, LoraError, NotSupportedYet, UsageError
+from mergeflow.errors import BaseModelError, CheckpointError, LoraError, UsageError
 from mergeflow.fsops import FileStamp, sha256_file
 from mergeflow.jsonfiles import read_json_strict
 from mergeflow.lora_config import ADAPTER_CONFIG_NAME, AdapterSettings, load_adapter_settings, load_train_meta
@@ -215,8 +215,6 @@ def inspect_adapter_export(config: ModelMergerConfig, spec: LoraSpec) -> MergePl
     """Plan the export of a LoRA-only save's adapter: the base may be a Hub id that is not present locally."""
     from mergeflow.tasks.inspect import _schema
 
-    if config.hf_upload_path:
-        raise NotSupportedYet("--hf_upload_path is not supported yet; upload the published directory with `hf upload`")
     actor = Path(config.local_dir or "").expanduser().resolve()
     cfg_dir = Path(config.hf_model_config_path or actor / "huggingface").expanduser().resolve()
     target = check_target(Path(config.target_dir or ""))

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from mergeflow.errors import ValidationError
 from mergeflow.fsops import fsync_dir, make_readable, rename_noreplace, sha256_file
@@ -116,14 +117,14 @@ def publish_staged(plan: MergePlan, report: ValidationReport) -> dict[str, str]:
     return {"output_dir": str(target), "manifest_path": str(target / manifest_rel)}
 
 
-@task(name="write-metadata", task_run_name="write-metadata", retries=1, retry_delay_seconds=1)
+@task(name="write-metadata", task_run_name="write-metadata", retries=1, retry_delay_seconds=1, cache_policy=NO_CACHE)
 def write_metadata(plan: MergePlan, output: OutputPlan, indexes: list[RankIndex], shards: list[ShardRecord],
                    extra_files: list[FileRecord] | None = None, lora_fusion: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write config, weight index and manifest into staging."""
     return finalize_staging(plan, output, indexes, shards, extra_files, lora_fusion)
 
 
-@task(name="publish", task_run_name="publish")
+@task(name="publish", task_run_name="publish", cache_policy=NO_CACHE)
 def publish(plan: MergePlan, report: ValidationReport) -> dict[str, str]:
     """Atomically publish the validated staging directory as the target."""
     return publish_staged(plan, report)

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from mergeflow.errors import CastError, CheckpointError, SchemaMismatchError
 from mergeflow.fsops import FileStamp
@@ -223,7 +224,7 @@ def check_coverage(expected: dict[str, tuple[int, ...]], actual: dict[str, tuple
             raise SchemaMismatchError(f"{name} has shape {list(actual[name])} in the checkpoint but {list(expected[name])} in the base")
 
 
-@task(name="plan-reconstruction", task_run_name="plan-reconstruction")
+@task(name="plan-reconstruction", task_run_name="plan-reconstruction", cache_policy=NO_CACHE)
 def plan_reconstruction(plan: MergePlan, indexes: list[RankIndex]) -> list[TensorWrite]:
     """Check how every tensor is spread over the ranks and that it matches the base schema."""
     return plan_tensor_writes(plan, indexes)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from mergeflow.errors import InputChangedError, ValidationError
 from mergeflow.fsops import FileStamp, sha256_file
@@ -209,7 +210,7 @@ def validate_staged(plan: MergePlan, manifest: dict[str, Any]) -> ValidationRepo
     )
 
 
-@task(name="validate-staged", task_run_name="validate-staged")
+@task(name="validate-staged", task_run_name="validate-staged", cache_policy=NO_CACHE)
 def validate_staged_task(plan: MergePlan, manifest: dict[str, Any]) -> ValidationReport:
     """Re-check the staged artifact end to end before it may be published."""
     return validate_staged(plan, manifest)

@@ -28,6 +28,19 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prefect
     """One real `prefect server start` on 127.0.0.1 for the whole session, stopped at the end."""
     with start_prefect_server(tmp_path_factory.mktemp("prefect")) as server:
         yield server
+        _drain_prefect_services()
+
+
+def _drain_prefect_services() -> None:
+    """Send queued logs and events while the server still runs.
+
+    Otherwise Prefect's exit hook retries against the stopped server for over a minute.
+    """
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=10)
+    EventsWorker.drain_all(timeout=10)
 
 
 @pytest.fixture()

@@ -15,11 +15,15 @@ from safetensors import safe_open
 from builders import assert_bit_exact, leftovers, output_state
 from lora_builders import ATTN_TARGETS, LoraCheckpoint, build_lora_checkpoint
 from mergeflow import merge_model, validate_artifact
-from mergeflow.errors import LoraError, ValidationError
+from mergeflow.errors import LoraError, UsageError, ValidationError
 from mergeflow.lora_export import DIFFUSERS_METADATA_KEY
 from mergeflow.synthetic.checkpoints import run_tiny_forward
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::RuntimeWarning")
+# PEFT and Diffusers warn about tiny models (unmatched patterns, adapter dtype casts); huggingface_hub's LFS PUT
+# passes a file object as `data=`, which httpx deprecates.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::UserWarning", "ignore::RuntimeWarning", "ignore:Use 'content=<...>' to upload raw bytes:DeprecationWarning"
+)
 
 EXTRA_TARGETS = {
     "WanTransformer3DModel": ["patch_embedding"],  # conv LoRA (Conv3d)
@@ -37,9 +41,20 @@ CASES = [
 ]
 
 
-def plain_config(class_name: str):  # noqa: ANN201
+def plain_config(class_name: str, saved: list[str] | None = None):  # noqa: ANN201
     targets = ATTN_TARGETS + EXTRA_TARGETS[class_name]
-    return lambda name: LoraConfig(r=4, lora_alpha=8, target_modules=targets)
+    return lambda name: LoraConfig(r=4, lora_alpha=8, target_modules=targets, modules_to_save=saved)
+
+
+# QwenImage also trains `proj_out` as a PEFT modules_to_save copy: exported with the adapter, not in the base.
+SAVED = {"QwenImageTransformer2DModel": ["proj_out"]}
+
+
+def perturb_saved(model: PeftModel) -> None:
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".modules_to_save." in name:
+                param.add_(0.05)
 
 
 def load_base(ck: LoraCheckpoint) -> torch.nn.Module:
@@ -62,8 +77,9 @@ def assert_no_local_paths(out: Path, tmp: Path) -> None:
 def test_exported_adapter_loads_in_peft_and_reproduces_the_trained_forward(
     tmp_path: Path, prefect_api: object, class_name: str, layout: str, world_size: int, wrapped: bool, adapter: str
 ) -> None:
-    ck = build_lora_checkpoint(tmp_path, class_name, plain_config(class_name), world_size=world_size,
-                               layout=layout, wrapped=wrapped)
+    saved = SAVED.get(class_name)
+    ck = build_lora_checkpoint(tmp_path, class_name, plain_config(class_name, saved), world_size=world_size,
+                               layout=layout, wrapped=wrapped, mutate=perturb_saved if saved else None)
     # A LoRA-only adapter needs no local base: a Hub id that does not exist here is enough.
     base_model = "tiny-org/tiny-base" if layout == "lora_only" else str(ck.base_dir)
     result = merge_model(ck.config(tmp_path / "out", base_model=base_model, adapter_name=adapter))
@@ -78,6 +94,10 @@ def test_exported_adapter_loads_in_peft_and_reproduces_the_trained_forward(
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8 and config["task_type"] is None  # alpha from the metadata
     assert config["target_modules"] == sorted(set(plain_config(class_name)("default").target_modules))
+    if saved:
+        assert config["modules_to_save"] == ["proj_out"]
+        with safe_open(str(adapter_dir / "adapter_model.safetensors"), framework="pt") as handle:
+            assert "base_model.model.proj_out.weight" in set(handle.keys())
     if layout == "lora_only":
         assert os.listdir(out) == ["lora_adapter"]
         assert result.manifest_path == str(adapter_dir / "merge_manifest.json")
@@ -175,3 +195,35 @@ def test_variant_adapters_need_their_config_and_then_reproduce(tmp_path: Path, p
     assert_reproduces(ck, "default", loaded.base_model.model)
     manifest = json.loads((adapter_dir / "merge_manifest.json").read_text())
     assert manifest["lora_adapter"]["settings_source"] == "--adapter-config"
+
+
+def test_lora_only_base_must_be_local_or_a_hub_id(tmp_path: Path, prefect_api: object, flux_lora_only: LoraCheckpoint) -> None:
+    for base in ("./no/such/base", "no-such-dir"):
+        with pytest.raises(UsageError, match="neither a local directory nor a Hub id like ORG/NAME"):
+            merge_model(flux_lora_only.config(tmp_path / "out", base_model=base))
+        assert not leftovers(tmp_path, "out")
+
+
+def test_adapter_only_upload_publishes_the_adapter_directory(
+    tmp_path: Path, prefect_api: object, flux_lora_only: LoraCheckpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from huggingface_hub import constants
+    from huggingface_hub.utils import close_session
+
+    from hub_server import LocalHubServer
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # the suite runs offline; this server is local
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    monkeypatch.setenv("HF_TOKEN", "hf_" + "LocalOnly0Token" * 2)
+    with LocalHubServer() as hub:
+        monkeypatch.setattr(constants, "ENDPOINT", hub.base_url)
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.base_url + "/{repo_id}/resolve/{revision}/{filename}")
+        result = merge_model(flux_lora_only.config(tmp_path / "out", base_model="tiny-org/flux",
+                                                   hf_upload_path="tiny-org/flux-lora"))
+        stored = hub.files("tiny-org/flux-lora")
+    close_session()
+    assert result.upload is not None and result.upload["status"] == "uploaded", result.upload
+    # the Hub repo is the adapter directory itself: PEFT loads it by repo id
+    adapter_dir = Path(result.output_dir) / "lora_adapter"
+    assert set(stored) - {".gitattributes"} == set(os.listdir(adapter_dir))
+    assert stored["adapter_config.json"].content == (adapter_dir / "adapter_config.json").read_bytes()

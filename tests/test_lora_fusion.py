@@ -15,7 +15,7 @@ from peft import LoraConfig, PeftModel
 from builders import assert_bit_exact, leftovers, make_export, output_state
 from lora_builders import ATTN_TARGETS, LoraCheckpoint, build_lora_checkpoint, keep_lora_only
 from mergeflow import merge_model, validate_artifact
-from mergeflow.errors import LoraError, UsageError
+from mergeflow.errors import CheckpointError, LoraError, UsageError
 from mergeflow.synthetic.checkpoints import run_tiny_forward
 from rank_tools import rewrite_rank
 
@@ -236,6 +236,11 @@ def test_checkpoint_refusals_leave_no_output(tmp_path: Path, prefect_api: object
                     value.to_local().fill_(1e38)  # finite, but B @ A * s is not
         _edit_ranks(actor, 2, change)
 
+    def collide(actor: Path) -> None:  # one weight under both its wrapped and its plain name
+        _edit_ranks(actor, 2, lambda s: s.update({k.removeprefix("base_model.model."): v for k, v in list(s.items())
+                                                  if k.endswith("to_q.lora_A.default.weight")}))
+
+    case("collision", collide, CheckpointError, "both mean")
     case("unpaired", drop("to_k.lora_B.old.weight"), LoraError, r"unpaired LoRA weights.*adapter 'old' has only lora_A")
     case("rank", meta('{"r": 8, "lora_alpha": 8, "task_type": null}'), LoraError, "adapter rank is 4 but the LoRA settings say r=8")
     case("r-zero", meta('{"r": 0, "lora_alpha": 8, "task_type": null}'), LoraError, "r must be a positive integer")
@@ -250,6 +255,19 @@ def test_checkpoint_refusals_leave_no_output(tmp_path: Path, prefect_api: object
     err = refuse(small.config(tmp_path / "overflow" / "out", local_dir=str(_prepared(tmp_path, small, overflow)),
                               fuse_lora=True), LoraError, "non-finite weights")
     assert "to_" in str(err)
+
+
+def test_fsdp1_wrapper_names_are_normalised(tmp_path: Path, prefect_api: object, small: LoraCheckpoint) -> None:
+    actor = copy_actor(small, tmp_path)
+
+    def wrap(state: dict) -> None:  # FSDP1 names: a wrapper around the model and one around each block
+        for key in list(state):
+            wrapped = "_fsdp_wrapped_module." + key.replace("blocks.0.", "blocks.0._fsdp_wrapped_module.")
+            state[wrapped] = state.pop(key)
+
+    _edit_ranks(actor, 2, wrap)
+    out = Path(merge_model(small.config(tmp_path / "out", local_dir=str(actor), fuse_lora=True)).output_dir)
+    assert_bit_exact(small.merged("default"), output_state(out))
 
 
 def _prepared(tmp_path: Path, ck: LoraCheckpoint, edit) -> Path:  # noqa: ANN001

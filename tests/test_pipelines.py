@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
-import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +23,7 @@ from pipeline_builders import (
     refused,
 )
 from mergeflow import validate_artifact
-from mergeflow.errors import BaseModelError, UsageError
+from mergeflow.errors import BaseModelError, UsageError, ValidationError
 from mergeflow.synthetic.boogu import build_boogu_pipeline, load_boogu_pipeline, load_boogu_transformer
 from mergeflow.synthetic.checkpoints import build_transformer
 from mergeflow.synthetic.pipelines_image import build_flux_pipeline, build_qwenimage_pipeline, build_sd3_pipeline
@@ -170,6 +170,11 @@ def flux(tmp_path_factory: pytest.TempPathFactory) -> Exported:
     return _base_and_actor(tmp_path_factory.mktemp("flux_contract"), CASES["flux"])
 
 
+@pytest.fixture(scope="module")
+def wan22(tmp_path_factory: pytest.TempPathFactory) -> Exported:
+    return _base_and_actor(tmp_path_factory.mktemp("wan22_contract"), CASES["wan22"])
+
+
 def _json_edit(path: Path, **changes: Any) -> None:
     data = json.loads(path.read_text())
     data.update(changes)
@@ -232,10 +237,12 @@ def test_missing_processor_is_refused(tmp_path: Path, prefect_server: Any, prefe
     ({"boundary_ratio": None}, r"transformer_2 but no boundary_ratio"),
     ({"expand_timesteps": "yes"}, r"expand_timesteps must be true or false"),
 ], ids=["ratio-1.5", "ratio-missing", "expand-not-bool"])
-def test_bad_wan22_options_are_refused(tmp_path: Path, prefect_server: Any, prefect_api: Any, changes: dict[str, Any], match: str) -> None:
-    item = _base_and_actor(tmp_path, CASES["wan22"])
-    _json_edit(item.base / "model_index.json", **changes)
-    refused(prefect_server, item, tmp_path / "out", BaseModelError, match)
+def test_bad_wan22_options_are_refused(wan22: Exported, tmp_path: Path, prefect_server: Any, prefect_api: Any,
+                                      changes: dict[str, Any], match: str) -> None:
+    base = tmp_path / "base"
+    shutil.copytree(wan22.base, base)
+    _json_edit(base / "model_index.json", **changes)
+    refused(prefect_server, Exported(base, wan22.actor_dir, wan22.actor), tmp_path / "out", BaseModelError, match)
 
 
 def test_component_that_training_cannot_replace_is_refused(flux: Exported, tmp_path: Path, prefect_server: Any, prefect_api: Any) -> None:
@@ -269,8 +276,6 @@ def test_local_paths_are_removed_from_copied_configs_and_recorded(flux: Exported
 
 
 def test_test_command_checks_pipeline_components(flux: Exported, tmp_path: Path, prefect_server: Any, prefect_api: Any) -> None:
-    from mergeflow.errors import ValidationError
-
     item = export(prefect_server, Exported(flux.base, flux.actor_dir, flux.actor), tmp_path / "out")
     assert item.out is not None
     broken = tmp_path / "broken"
@@ -282,10 +287,15 @@ def test_test_command_checks_pipeline_components(flux: Exported, tmp_path: Path,
     shutil.copytree(item.out, renamed)
     _json_edit(renamed / "model_index.json", _class_name="StableDiffusion3Pipeline")
     manifest = json.loads((renamed / "merge_manifest.json").read_text())
-    import hashlib
-
     manifest["files"]["model_index.json"] = hashlib.sha256((renamed / "model_index.json").read_bytes()).hexdigest()
     (renamed / "merge_manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ValidationError, match="model_index.json names 'StableDiffusion3Pipeline'"):
         validate_artifact(renamed)
-    assert os.access(item.out / "model_index.json", os.R_OK)
+    dropped = tmp_path / "dropped"
+    shutil.copytree(item.out, dropped)
+    shutil.rmtree(dropped / "vae")
+    manifest = json.loads((dropped / "merge_manifest.json").read_text())
+    manifest["files"] = {rel: d for rel, d in manifest["files"].items() if not rel.startswith("vae/")}
+    (dropped / "merge_manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValidationError, match="declares component 'vae', but the artifact has no vae/"):
+        validate_artifact(dropped)

@@ -1,0 +1,180 @@
+"""Served deployments on a real Prefect server: an event (direct or from the watcher) becomes a merge."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from builders import assert_bit_exact, make_export, output_state
+from mergeflow import validate_artifact
+from prefect_runs import flow_runs
+
+REPO = Path(__file__).resolve().parent.parent
+MERGE = "mergeflow-merge-checkpoint/on-checkpoint"
+VALIDATE = "mergeflow-validate/validate"
+
+
+async def _deployment_ready(name: str) -> Any:
+    from prefect.client.orchestration import get_client
+
+    async with get_client() as client:
+        try:
+            deployment = await client.read_deployment_by_name(name)
+        except Exception:  # not registered yet
+            return None
+        automations = await client.read_automations_by_name("mergeflow-checkpoint-saved")
+        return deployment if automations or not name.startswith("mergeflow-merge") else None
+
+
+def wait_for(predicate: Any, timeout: float, what: str, proc: subprocess.Popen[bytes] | None = None, log: Path | None = None) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            break
+        time.sleep(0.5)
+    tail = log.read_text(errors="replace")[-4000:] if log and log.exists() else ""
+    raise AssertionError(f"timed out waiting for {what}\n{tail}")
+
+
+def _stop_group(proc: subprocess.Popen[bytes]) -> None:
+    for sig, wait_s in ((signal.SIGINT, 20.0), (signal.SIGKILL, 10.0)):
+        if proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@pytest.fixture()
+def served(tmp_path: Path, prefect_server: Any, prefect_api: Any) -> Iterator[dict[str, Any]]:
+    """`python -m mergeflow serve` in its own process group, stopped (with its flow runs) at the end."""
+    ex = make_export(tmp_path, "FluxTransformer2DModel", 2)
+    root = tmp_path / "exports"
+    root.mkdir()
+    env = prefect_server.client_env()
+    env["PREFECT_RUNNER_POLL_FREQUENCY"] = "1"  # pick up triggered runs within a second
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mergeflow", "serve", "--base_model", str(ex.base_dir), "--target-root", str(root),
+             "--output_format", "transformer", "--max_shard_size", "60000"],
+            env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+    try:
+        deployment = wait_for(lambda: asyncio.run(_deployment_ready(MERGE)), 120, "the served deployments", proc, log)
+        wait_for(lambda: asyncio.run(_deployment_ready(VALIDATE)), 30, "the validate deployment", proc, log)
+        yield {"export": ex, "root": root, "deployment": deployment, "proc": proc, "log": log}
+    finally:
+        _stop_group(proc)
+
+
+def completed_runs(deployment_id: Any) -> list[Any]:
+    runs = flow_runs(deployment_id=deployment_id)
+    failed = [r for r in runs if r.state is not None and r.state.is_final() and not r.state.is_completed()]
+    assert not failed, f"a triggered run ended {failed[0].state}"
+    return [r for r in runs if r.state is not None and r.state.is_completed()]
+
+
+def copy_slowly(src: Path, dst: Path) -> None:
+    """What a saving trainer does: rank files one by one, configs after, verl's tracker last."""
+    dst.mkdir(parents=True)
+    for path in sorted(src.glob("*_rank_*.pt")):
+        shutil.copyfile(path, dst / path.name)
+        time.sleep(0.3)
+    shutil.copytree(src / "huggingface", dst / "huggingface")
+    shutil.copyfile(src / "fsdp_config.json", dst / "fsdp_config.json")
+    (dst.parent.parent / "latest_checkpointed_iteration.txt").write_text(dst.parent.name.removeprefix("global_step_"))
+
+
+def test_event_and_watcher_start_merges_and_validate_runs_alone(tmp_path: Path, served: dict[str, Any]) -> None:
+    from prefect.deployments import run_deployment
+
+    from mergeflow.events import checkpoint_saved
+    from mergeflow.flows.watch import watch
+
+    ex, root, deployment = served["export"], served["root"], served["deployment"]
+    # 1. Training code emits the event; the payload has no base_model/target: serve's defaults apply.
+    checkpoint_saved(ex.actor_dir)
+    wait_for(lambda: len(completed_runs(deployment.id)) == 1, 240, "the triggered merge", served["proc"], served["log"])
+    target = root / "ckpt" / "global_step_1"  # <target-root>/<run_name>/global_step_<step>
+    assert_bit_exact(ex.actor.state_dict(), output_state(target))
+    assert validate_artifact(target)["integrity"] == "passed"
+
+    # 2. The validate deployment reruns validation alone.
+    run = run_deployment(VALIDATE, parameters={"test_hf_dir": str(target)}, timeout=180, poll_interval=1)
+    assert run.state is not None and run.state.is_completed(), run.state
+
+    # 3. The watcher sees a checkpoint written slowly, emits one event, and that becomes a merge too.
+    train = tmp_path / "run-b"
+    train.mkdir()
+    stop = threading.Event()
+    emitted: list[Any] = []
+    # Prefect's settings (the API URL) live in context variables, which a new thread does not inherit.
+    context = contextvars.copy_context()
+    watcher = threading.Thread(target=context.run, args=(lambda: emitted.extend(
+        watch(train, stable_seconds=1.0, poll_seconds=0.2, stop_event=stop, timeout=240)),), daemon=True)
+    watcher.start()
+    try:
+        copy_slowly(ex.actor_dir, train / "global_step_2" / "actor")
+        wait_for(lambda: len(completed_runs(deployment.id)) == 2, 240, "the watcher's merge", served["proc"], served["log"])
+    finally:
+        stop.set()
+        watcher.join(timeout=15)
+    assert [c.step for c in emitted] == [2]
+    assert validate_artifact(root / "run-b" / "global_step_2")["integrity"] == "passed"
+    assert len(flow_runs(deployment_id=deployment.id)) == 2  # exactly one run per checkpoint
+
+
+def test_prefect_yaml_deploys_with_prefect_deploy_all(tmp_path: Path, prefect_server: Any, prefect_api: Any) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+
+    async def create_pool() -> None:
+        async with get_client() as client:
+            await client.create_work_pool(WorkPoolCreate(name="mergeflow", type="process"), overwrite=True)
+
+    asyncio.run(create_pool())
+    env = prefect_server.client_env()
+    env.update(MERGEFLOW_BASE_MODEL="/models/base", MERGEFLOW_TARGET_ROOT="/exports")
+    done = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all", "--prefect-file",
+                           "deployments/prefect.yaml"], cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    async def read() -> tuple[Any, Any, list[Any]]:
+        async with get_client() as client:
+            merge = await client.read_deployment_by_name(MERGE)
+            validate = await client.read_deployment_by_name(VALIDATE)
+            automations = await client.read_automations_by_name("mergeflow-checkpoint-saved")
+            owned = [a for a in automations if any(getattr(x, "deployment_id", None) == merge.id for x in a.actions)]
+            for deployment in (merge, validate):  # leave the session's server as we found it
+                await client.delete_deployment(deployment.id)
+            return merge, validate, owned
+
+    merge, validate, automations = asyncio.run(read())
+    assert merge.work_pool_name == "mergeflow" and validate.work_pool_name == "mergeflow"
+    assert merge.entrypoint == "mergeflow.flows.checkpoint.merge_checkpoint_flow"
+    assert merge.parameters["base_model"] == "/models/base" and merge.parameters["target_root"] == "/exports"
+    assert len(automations) == 1
+    trigger = automations[0].trigger
+    assert trigger.expect == {"mergeflow.checkpoint.saved"}
+    assert automations[0].actions[0].parameters == {"checkpoint": "{{ event.payload }}"}
