@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
+from prefect.context import FlowRunContext
 from prefect.futures import as_completed
 from prefect.runtime import flow_run
 from prefect.utilities.annotations import opaque
@@ -44,11 +45,19 @@ def light(value: Any) -> Any:
     return [opaque(v) for v in value] if isinstance(value, list) else opaque(value)
 
 
+def light_submit(value: Any) -> Any:
+    """`light` for `.submit()` arguments, except on Dask, which rebuilds Prefect's (tuple-based)
+    annotations as plain tuples: there the records travel bare."""
+    context = FlowRunContext.get()
+    on_dask = context is not None and type(context.task_runner).__module__.startswith("prefect_dask")
+    return value if on_dask else light(value)
+
+
 def run_export(plan: MergePlan) -> tuple[dict[str, str], dict[str, Any]]:
     """The steps after inspection, run while the target lock is held."""
     logger = get_run_logger()
     check_target(Path(plan.target))  # re-checked under the lock: another export may have finished
-    rank_futures = [load_rank_shards.submit(light(plan), rank) for rank in range(plan.world_size)]
+    rank_futures = [load_rank_shards.submit(light_submit(plan), rank) for rank in range(plan.world_size)]
     indexes = [f.result() for f in rank_futures]
     logger.info("Indexed %d rank files of world size %d", len(indexes), plan.world_size)
     lora = plan_lora(light(plan), light(indexes)) if plan.lora is not None else None
@@ -59,10 +68,10 @@ def run_export(plan: MergePlan) -> tuple[dict[str, str], dict[str, Any]]:
               else plan_reconstruction(light(plan), light(indexes)))
     writes = convert_writes(plan.extras, writes)  # architecture adapters (native MiniMax H3); else unchanged
     # Pipeline assets are copied while the shards are written.
-    copy_future = copy_components.submit(light(plan)) if plan.copy_files else None
+    copy_future = copy_components.submit(light_submit(plan)) if plan.copy_files else None
     output = pack_shards(writes, plan.config["max_shard_size"], plan.weights_name, plan.fingerprint)
     progress = start_progress(plan, len(output.shards))
-    futures = [write_shard.submit(light(plan), light(shard)) for shard in output.shards]
+    futures = [write_shard.submit(light_submit(plan), light_submit(shard)) for shard in output.shards]
     records: dict[str, ShardRecord] = {}
     for future in as_completed(futures):
         record = future.result()

@@ -129,7 +129,7 @@ def detect_lora(config: ModelMergerConfig) -> LoraSpec | None:
     )
 
 
-def lora_input_files(config: ModelMergerConfig, actor: Path, spec: LoraSpec) -> list[Path]:
+def lora_input_files(config: ModelMergerConfig, actor: Path) -> list[Path]:
     """LoRA inputs that must not change during the export (metadata, adapter config)."""
     files = [actor / LORA_META]
     path, _ = _adapter_config_file(config, actor)
@@ -197,7 +197,7 @@ def finish_lora_spec(
     """Complete the spec once the local base is known: adapter base name, and base weights for LoRA-only fusion."""
     actor = Path(config.local_dir or "").expanduser().resolve()
     _refuse_native_adapter(base, layout, spec)
-    stamps = {str(p): FileStamp.of(p) for p in lora_input_files(config, actor, spec)}
+    stamps = {str(p): FileStamp.of(p) for p in lora_input_files(config, actor)}
     base_files: dict[str, str] = {}
     weight_map: dict[str, str] = {}
     if spec.fuse and spec.layout == LORA_ONLY:
@@ -246,7 +246,7 @@ def inspect_adapter_export(config: ModelMergerConfig, spec: LoraSpec) -> MergePl
         expected = {k: v.shape for k, v in expected_tensors(meta_model(cls, actor_config)).items()}
         base_kind, base_dir, component_dir = "hub", "", ""
     inputs = [actor / FSDP_CONFIG, actor_config_path] + [actor / n for n in rank_files]
-    inputs += lora_input_files(config, actor, spec)
+    inputs += lora_input_files(config, actor)
     stamps = {str(p): FileStamp.of(p) for p in inputs}
     done = replace(spec, base_model_name_or_path=reference)
     options = {k: v for k, v in config.to_dict().items() if k not in ("workers", "hf_upload_path", "private")}

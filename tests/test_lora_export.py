@@ -227,3 +227,22 @@ def test_adapter_only_upload_publishes_the_adapter_directory(
     adapter_dir = Path(result.output_dir) / "lora_adapter"
     assert set(stored) - {".gitattributes"} == set(os.listdir(adapter_dir))
     assert stored["adapter_config.json"].content == (adapter_dir / "adapter_config.json").read_bytes()
+
+
+def test_full_state_pipeline_export_with_diffusers_adapter_loads_with_load_lora_weights(tmp_path: Path, prefect_api: object) -> None:
+    from mergeflow.synthetic.pipelines_image import build_flux_pipeline
+
+    class_name = "FluxTransformer2DModel"
+    ck = build_lora_checkpoint(tmp_path, class_name, plain_config(class_name), world_size=3)
+    pipeline_base = build_flux_pipeline(tmp_path / "pipeline-base", load_base(ck))
+    result = merge_model(ck.config(tmp_path / "out", base_model=str(pipeline_base), output_format="pipeline",
+                                   adapter_format="diffusers"))
+    out = Path(result.output_dir)
+    manifest = json.loads(Path(result.manifest_path).read_text())
+    assert manifest["artifact_type"] == "diffusers_pipeline" and manifest["tensor_directory"] == "transformer"
+    assert {"lora_adapter/pytorch_lora_weights.safetensors", "lora_adapter/merge_manifest.json"} <= set(manifest["files"])
+    assert_bit_exact(load_base(ck).state_dict(), output_state(out / "transformer"))
+    assert validate_artifact(out) == {"integrity": "passed", "architecture": "FluxPipeline"}
+    pipe = diffusers.FluxPipeline.from_pretrained(out, local_files_only=True)
+    pipe.load_lora_weights(str(out / "lora_adapter"), weight_name="pytorch_lora_weights.safetensors", adapter_name="x")
+    assert_reproduces(ck, "default", pipe.transformer)

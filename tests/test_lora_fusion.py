@@ -295,6 +295,7 @@ def test_dora_and_conv_fusion_without_their_config_are_refused(tmp_path: Path, p
 # ---------------------------------------------------------------- MiniMax H3 native package
 
 
+@pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")  # the synthetic native VAE
 def test_minimax_h3_native_fuses_before_conversion_and_refuses_adapters(tmp_path: Path, prefect_api: object) -> None:
     from mergeflow.synthetic.minimax_h3 import build_minimax_h3_native, reference_native_state_dict
 
