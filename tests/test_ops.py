@@ -235,3 +235,24 @@ def test_prefect_yaml_entrypoints_and_trigger_match_the_served_ones() -> None:
     (trigger,) = deployments[MERGE_DEPLOYMENT]["triggers"]
     assert trigger["name"] == TRIGGER_NAME and trigger["parameters"] == TRIGGER_PARAMETERS
     assert trigger["expect"] == ["mergeflow.checkpoint.saved"] and trigger["match"] == {"prefect.resource.id": "mergeflow.checkpoint.*"}
+
+
+def test_every_task_is_cached_by_file_stamps_or_not_at_all() -> None:
+    """Prefect's default cache policy hashes all inputs on every call: seconds for a big plan."""
+    import importlib
+    import pkgutil
+
+    from prefect import Task
+    from prefect.cache_policies import NO_CACHE, CacheKeyFnPolicy
+
+    import mergeflow.tasks
+
+    found = {}
+    for info in pkgutil.iter_modules(mergeflow.tasks.__path__):
+        module = importlib.import_module(f"mergeflow.tasks.{info.name}")
+        found.update({f"{info.name}.{k}": v for k, v in vars(module).items() if isinstance(v, Task) and v.__module__ == module.__name__})
+    small_inputs = {"upload.upload_to_hub", "upload.verify_hub_upload", "validate.validate_artifact_task"}  # paths and names only
+    cached = {name for name, t in found.items() if isinstance(t.cache_policy, CacheKeyFnPolicy)}
+    assert {"load.load_rank_shards", "write.write_shard"} <= cached
+    offenders = [n for n, t in found.items() if n not in cached | small_inputs and t.cache_policy is not NO_CACHE]
+    assert not offenders, offenders
