@@ -13,10 +13,6 @@ class UsageError(MergeflowError):
     """Flags or config values that cannot work together."""
 
 
-class NotSupportedYet(MergeflowError):
-    """A feature of the reference command line that this build does not implement yet."""
-
-
 class CheckpointError(MergeflowError):
     """The training checkpoint (rank files, fsdp_config.json, metadata) is unusable."""
 

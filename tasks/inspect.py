@@ -11,14 +11,14 @@ from prefect.cache_policies import NO_CACHE
 from mergeflow.architectures import BaseLayout, detect_base
 from mergeflow.checkpoint import FSDP_CONFIG, LORA_META, read_fsdp_config, rank_file_names
 from mergeflow.config import ModelMergerConfig
-from mergeflow.errors import CheckpointError, NotSupportedYet, UsageError
+from mergeflow.errors import CheckpointError, UsageError
 from mergeflow.fsops import FileStamp, sha256_file
 from mergeflow.manifest import fingerprint
 from mergeflow.paths import check_no_overlap, check_target, lock_path_for, staging_dir_for
 from mergeflow.records import MergePlan
 from mergeflow.schema import read_model_config
 from mergeflow.tasks.lora_inspect import detect_lora, finish_lora_spec, inspect_adapter_export
-from mergeflow.tasks.targets import diffusers_schema, pipeline_target, transformer_target
+from mergeflow.tasks.targets import pipeline_target, transformer_target
 
 
 def resolve_inputs(config: ModelMergerConfig) -> dict[str, Path]:
@@ -41,14 +41,11 @@ def resolve_inputs(config: ModelMergerConfig) -> dict[str, Path]:
     return {"actor": actor, "config_dir": cfg_dir, "base": base, "target": target}
 
 
-def refuse_unsupported(config: ModelMergerConfig, layout: BaseLayout, actor: Path) -> None:
-    """Features whose issues have not landed answer with a clear error, never a half export."""
+def check_output_format(config: ModelMergerConfig, layout: BaseLayout) -> None:
+    """Pipeline output needs a pipeline base; say so before any work."""
     if config.output_format == "pipeline" and layout.kind != "pipeline":
         raise UsageError("--output_format pipeline needs a base pipeline (a directory with model_index.json); "
                          "use --output_format transformer for a standalone transformer base")
-
-
-_schema = diffusers_schema  # same class, equal constructor fields; the base meta module's tensors
 
 
 def inspect_merge(config: ModelMergerConfig) -> MergePlan:
@@ -62,7 +59,7 @@ def inspect_merge(config: ModelMergerConfig) -> MergePlan:
     fsdp = read_fsdp_config(actor)
     rank_files = rank_file_names(actor, fsdp.world_size)
     layout = detect_base(base, config.component)
-    refuse_unsupported(config, layout, actor)
+    check_output_format(config, layout)
     actor_config_path = paths["config_dir"] / "config.json"
     actor_config = read_model_config(actor_config_path, CheckpointError, "huggingface/config.json of the checkpoint")
     if config.output_format == "pipeline":

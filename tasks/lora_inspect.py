@@ -213,7 +213,7 @@ def finish_lora_spec(
 
 def inspect_adapter_export(config: ModelMergerConfig, spec: LoraSpec) -> MergePlan:
     """Plan the export of a LoRA-only save's adapter: the base may be a Hub id that is not present locally."""
-    from mergeflow.tasks.inspect import _schema
+    from mergeflow.tasks.targets import diffusers_schema
 
     actor = Path(config.local_dir or "").expanduser().resolve()
     cfg_dir = Path(config.hf_model_config_path or actor / "huggingface").expanduser().resolve()
@@ -233,7 +233,7 @@ def inspect_adapter_export(config: ModelMergerConfig, spec: LoraSpec) -> MergePl
         _refuse_native_adapter(base, layout, spec)
         base_config_path = layout.transformer_dir / "config.json"
         base_config = read_model_config(base_config_path, BaseModelError, f"{base_config_path.relative_to(base)} of the base")
-        cls, expected = _schema(actor_config, base_config)
+        cls, expected = diffusers_schema(actor_config, base_config)
         base_files[base_config_path.relative_to(base).as_posix()] = sha256_file(base_config_path)
         reference = base_model_reference(config.base_model or "", base.name, _recorded_name(base, layout))
         base_kind, base_dir, component_dir = layout.kind, str(base), str(layout.transformer_dir)
