@@ -141,6 +141,9 @@ def test_merge_uploads_to_a_hub_and_reports_it(tmp_path: Path, env: dict[str, st
         assert out["upload"]["files_verified"] == 3
         remote = {k: v for k, v in hub.files("team/tiny").items() if k != ".gitattributes"}
         assert set(remote) == set(tree_digest(target))
+        link = _read_artifact(prefect_server_url(env), "hub-team-tiny")
+        # Prefect stores a link artifact as a markdown link to the repo page.
+        assert link.type == "markdown" and f"]({hub.base_url}/team/tiny)" in str(link.data)
         hub.fail_next("preupload", 401, count=5)
         before = tree_digest(target)
         proc = run_cli(["upload", "--test_hf_dir", str(target), "--hf_upload_path", "team/tiny"], hub_env)
@@ -149,6 +152,28 @@ def test_merge_uploads_to_a_hub_and_reports_it(tmp_path: Path, env: dict[str, st
         assert tree_digest(target) == before
         proc = run_cli(["verify-upload", "--test_hf_dir", str(target), "--hf_upload_path", "team/tiny"], hub_env)
         assert proc.returncode == 0, proc.stderr
+
+
+def prefect_server_url(env: dict[str, str]) -> str:
+    return env["PREFECT_API_URL"]
+
+
+def _read_artifact(api_url: str, key: str):  # type: ignore[no-untyped-def]
+    """The latest artifact with `key`, read back through the Prefect client."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    async def read():  # type: ignore[no-untyped-def]
+        async with get_client() as client:
+            return await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+
+    with temporary_settings(updates={PREFECT_API_URL: api_url}):
+        found = asyncio.run(read())
+    assert found, f"no artifact {key}"
+    return found[0]
 
 
 def test_disk_full_is_one_line_and_keeps_the_staging_for_resume(tmp_path: Path, env: dict[str, str]) -> None:
