@@ -45,9 +45,12 @@ def write_json_durable(path: Path, obj: Any, *, indent: int | None = 2, sort_key
     return data
 
 
-def write_bytes_durable(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` so that a crash leaves either the old or the new file."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+def write_bytes_durable(path: Path, data: bytes, tmp: Path | None = None) -> None:
+    """Replace `path` with `data` so that a crash leaves either the old or the new file.
+
+    `tmp` (same filesystem) keeps the half-written file out of the directory being built.
+    """
+    tmp = tmp or path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as handle:
         handle.write(data)
         handle.flush()

@@ -20,6 +20,7 @@ from prefect.cache_policies import NO_CACHE
 from mergeflow.config_paths import is_config_json, strip_local_paths
 from mergeflow.errors import DiskFullError, InputChangedError
 from mergeflow.fsops import FileStamp, is_plain_file, sha256_file
+from mergeflow.jsonfiles import write_bytes_durable
 from mergeflow.records import CopyResult, FileRecord, MergePlan
 from mergeflow.tasks.common import retry_transient
 
@@ -68,15 +69,6 @@ def _digest(path: Path) -> str | None:
     return sha256_file(path) if is_plain_file(path) else None
 
 
-def _write_config(data: bytes, dst: Path, tmp: Path) -> None:
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, dst)
-
-
 def copy_one(base: Path, artifact: Path, work: Path, rel: str, base_digest: str,
              stamp: FileStamp | None) -> tuple[FileRecord, list[str]]:
     """Copy one base file (configs without local-path keys) and prove the copy's bytes."""
@@ -94,7 +86,7 @@ def copy_one(base: Path, artifact: Path, work: Path, rel: str, base_digest: str,
         want = hashlib.sha256(data).hexdigest()
         got = _digest(dst)  # a copy from an earlier attempt is kept when it is right
         if got != want:
-            _write_config(data, dst, tmp)
+            write_bytes_durable(dst, data, tmp)
             got = sha256_file(dst)
     else:
         want = base_digest

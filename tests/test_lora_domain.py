@@ -57,6 +57,7 @@ from mergeflow.lora_keys import (
     target_modules,
 )
 from mergeflow.lora_math import check_adapter_shapes, fuse_bias, fuse_weight
+from ulps import operand_ulps
 
 ConfigFactory = Callable[[str], LoraConfig]
 
@@ -169,15 +170,6 @@ def assert_bitwise(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor
         assert ours[key].dtype == value.dtype, key
         assert ours[key].shape == value.shape, key
         assert torch.equal(ours[key].view(torch.uint8), value.contiguous().view(torch.uint8)), key
-
-
-def operand_ulps(ours: torch.Tensor, theirs: torch.Tensor, scale: torch.Tensor) -> float:
-    """Largest |ours - theirs| in units in the last place of `scale` (elementwise), in ours' dtype."""
-    mantissa = {torch.bfloat16: 7, torch.float16: 10}[ours.dtype]
-    subnormal_step = torch.finfo(ours.dtype).smallest_normal * 2.0**-mantissa
-    _, exponent = torch.frexp(scale)
-    ulp = torch.clamp(torch.ldexp(torch.ones_like(scale), exponent - 1 - mantissa), min=subnormal_step)
-    return float(((ours.float() - theirs.float()).abs() / ulp).max())
 
 
 def settings_of(peft_model: PeftModel, adapter: str) -> AdapterSettings:

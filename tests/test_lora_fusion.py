@@ -18,6 +18,7 @@ from mergeflow import merge_model, validate_artifact
 from mergeflow.errors import CheckpointError, LoraError, UsageError
 from mergeflow.synthetic.checkpoints import run_tiny_forward
 from rank_tools import rewrite_rank
+from ulps import operand_ulps
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::RuntimeWarning")
 
@@ -83,15 +84,6 @@ def test_fused_model_equals_peft_merge_and_unload_bit_exactly(
     loaded = getattr(diffusers, class_name).from_pretrained(out, local_files_only=True)
     for a, b in zip(ck.forward(adapter), run_tiny_forward(loaded.eval()), strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
-
-
-def operand_ulps(ours: torch.Tensor, theirs: torch.Tensor, scale: torch.Tensor) -> float:
-    """Largest |ours - theirs| in units in the last place of `scale` (elementwise), in ours' dtype."""
-    mantissa = {torch.bfloat16: 7, torch.float16: 10}[ours.dtype]
-    subnormal_step = torch.finfo(ours.dtype).smallest_normal * 2.0**-mantissa
-    _, exponent = torch.frexp(scale)
-    ulp = torch.clamp(torch.ldexp(torch.ones_like(scale), exponent - 1 - mantissa), min=subnormal_step)
-    return float(((ours.float() - theirs.float()).abs() / ulp).max())
 
 
 def test_bfloat16_base_is_the_float32_merge_rounded_once(tmp_path: Path, prefect_api: object) -> None:
