@@ -35,8 +35,8 @@ def merge_direct(config: Any) -> dict[str, str]:
     from mergeflow.fsops import TargetLock
     from mergeflow.paths import check_target
     from mergeflow.tasks.inspect import inspect_merge
-    from mergeflow.tasks.load import index_rank_file
-    from mergeflow.tasks.publish import finalize_staging, publish_staged
+    from mergeflow.tasks.load import hash_rank_file, index_rank_file
+    from mergeflow.tasks.publish import finalize_staging, publish_staged, relative_to_artifact
     from mergeflow.tasks.reconstruct import RankStates, plan_tensor_writes
     from mergeflow.tasks.validate import validate_staged
     from mergeflow.tasks.write import pack_shards, write_shard_file
@@ -56,9 +56,12 @@ def merge_direct(config: Any) -> dict[str, str]:
             return write_shard_file(shard, RankStates(Path(plan.actor_dir), plan.rank_files, trust_checkpoint=trust),
                                     artifact_dir, work_dir)
 
-        records = list(pool.map(write, output.shards))
-        manifest = finalize_staging(plan, output, indexes, records)
-        return publish_staged(plan, validate_staged(plan, manifest))
+        writes = [pool.submit(write, shard) for shard in output.shards]
+        hashes = {name: pool.submit(hash_rank_file, Path(plan.actor_dir), name) for name in plan.rank_files}
+        records = [w.result() for w in writes]
+        manifest = finalize_staging(plan, output, {name: h.result() for name, h in hashes.items()}, records)
+        verified = {relative_to_artifact(plan, r.file_name): r.verified() for r in records}
+        return publish_staged(plan, validate_staged(plan, manifest, verified))
 
 
 @contextlib.contextmanager
@@ -123,8 +126,8 @@ def main() -> None:
                 flow.append(time.perf_counter() - start)
         shards = len(list((out / "flow-0").glob("*.safetensors")))
         size = sum(p.stat().st_size for p in (out / "flow-0").glob("*.safetensors"))
-        # Task runs of one flow: inspect, W rank loads, plan, K shards, metadata, validate, publish.
-        tasks = 1 + args.world_size + 1 + shards + 3
+        # Task runs of one flow: inspect, W rank loads, plan, K shards, W rank hashes, metadata, validate, publish.
+        tasks = 1 + args.world_size + 1 + shards + args.world_size + 3
         d, f = statistics.median(direct), statistics.median(flow)
         result = {
             "api_url": api_url, "bytes": size, "world_size": args.world_size, "shards": shards, "task_runs": tasks,

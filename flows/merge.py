@@ -7,7 +7,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
-from prefect.futures import as_completed
+from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import flow_run
 from prefect.utilities.annotations import opaque
 
@@ -15,14 +15,15 @@ from mergeflow.adapters import convert_writes
 from mergeflow.config import ModelMergerConfig
 from mergeflow.errors import MergeflowError, UploadError
 from mergeflow.fsops import TargetLock
+from mergeflow.lora_artifact import ADAPTER_DIR
 from mergeflow.paths import check_target
 from mergeflow.records import MergePlan, ShardRecord
 from mergeflow.tasks.copy import copy_components
 from mergeflow.tasks.inspect import inspect_inputs
-from mergeflow.tasks.load import load_rank_shards
+from mergeflow.tasks.load import hash_rank, load_rank_shards
 from mergeflow.tasks.lora import plan_lora, plan_lora_writes, write_lora_adapter
-from mergeflow.tasks.publish import publish, write_metadata
-from mergeflow.tasks.reconstruct import plan_reconstruction
+from mergeflow.tasks.publish import publish, relative_to_artifact, write_metadata
+from mergeflow.tasks.reconstruct import RankStates, plan_reconstruction
 from mergeflow.tasks.upload import upload_to_hub
 from mergeflow.tasks.validate import validate_staged_task
 from mergeflow.tasks.write import pack_shards, write_shard
@@ -53,6 +54,14 @@ def light_submit(value: Any) -> Any:
     return value if on_dask else light(value)
 
 
+def submit_rank_hashes(plan: MergePlan) -> list[PrefectFuture[str]]:
+    return [hash_rank.submit(light_submit(plan), rank) for rank in range(plan.world_size)]
+
+
+def rank_digests(plan: MergePlan, futures: list[PrefectFuture[str]]) -> dict[str, str]:
+    return {plan.rank_files[rank]: future.result() for rank, future in enumerate(futures)}
+
+
 def run_export(plan: MergePlan) -> tuple[dict[str, str], dict[str, Any]]:
     """The steps after inspection, run while the target lock is held."""
     logger = get_run_logger()
@@ -61,9 +70,14 @@ def run_export(plan: MergePlan) -> tuple[dict[str, str], dict[str, Any]]:
     indexes = [f.result() for f in rank_futures]
     logger.info("Indexed %d rank files of world size %d", len(indexes), plan.world_size)
     lora = plan_lora(light(plan), light(indexes)) if plan.lora is not None else None
-    adapter = write_lora_adapter(light(plan), light(lora), light(indexes)) if lora is not None and lora.exports_adapter else None
+    hashes: list[PrefectFuture[str]] | None = None
+    adapter = None
+    if lora is not None and lora.exports_adapter:
+        hashes = submit_rank_hashes(plan)  # the adapter's own manifest lists the rank files' digests
+        adapter = write_lora_adapter(light(plan), light(lora), light(indexes), rank_digests(plan, hashes))
     if lora is not None and not lora.writes_model:  # a LoRA-only adapter export: lora_adapter/ is the artifact
-        return publish(light(plan), validate_staged_task(light(plan), adapter.manifest)), adapter.manifest
+        verified = {f"{ADAPTER_DIR}/{adapter.shard.file_name}": adapter.shard.verified()}
+        return publish(light(plan), validate_staged_task(light(plan), adapter.manifest, light(verified))), adapter.manifest
     writes = (plan_lora_writes(light(plan), light(lora), light(indexes)) if lora is not None
               else plan_reconstruction(light(plan), light(indexes)))
     writes = convert_writes(plan.extras, writes)  # architecture adapters (native MiniMax H3); else unchanged
@@ -72,6 +86,9 @@ def run_export(plan: MergePlan) -> tuple[dict[str, str], dict[str, Any]]:
     output = pack_shards(writes, plan.config["max_shard_size"], plan.weights_name, plan.fingerprint)
     progress = start_progress(plan, len(output.shards))
     futures = [write_shard.submit(light_submit(plan), light_submit(shard)) for shard in output.shards]
+    if hashes is None:
+        # Queued behind the shard writers: the rank files are hashed on the core they leave idle.
+        hashes = submit_rank_hashes(plan)
     records: dict[str, ShardRecord] = {}
     for future in as_completed(futures):
         record = future.result()
@@ -81,9 +98,12 @@ def run_export(plan: MergePlan) -> tuple[dict[str, str], dict[str, Any]]:
     logger.info("Wrote %d shard(s), %d tensors, %d bytes", len(ordered), output.tensor_count, output.total_size)
     copied = copy_future.result() if copy_future is not None else None
     extra_files = (list(adapter.files) if adapter else []) + (list(copied.files) if copied else [])
-    manifest = write_metadata(light(plan), light(output), light(indexes), light(ordered), extra_files or None,
+    manifest = write_metadata(light(plan), light(output), rank_digests(plan, hashes), light(ordered), extra_files or None,
                               lora.fusion_record() if lora else None)
-    report = validate_staged_task(light(plan), light(manifest))
+    verified = {relative_to_artifact(plan, r.file_name): r.verified() for r in ordered}
+    if adapter is not None:
+        verified[f"{ADAPTER_DIR}/{adapter.shard.file_name}"] = adapter.shard.verified()
+    report = validate_staged_task(light(plan), light(manifest), light(verified))
     result = publish(light(plan), light(report))
     return result, manifest
 
@@ -91,16 +111,19 @@ def run_export(plan: MergePlan) -> tuple[dict[str, str], dict[str, Any]]:
 @flow(name="mergeflow-merge", flow_run_name=merge_run_name, persist_result=True, validate_parameters=True)
 def merge_flow(config: ModelMergerConfig) -> dict[str, Any]:
     """Export an FSDP checkpoint as a verified, atomically published artifact."""
-    plan = inspect_inputs(config)
-    lock = TargetLock(Path(plan.lock)).acquire()
     try:
-        result, manifest = run_export(plan)
-    except MergeflowError as exc:
-        if Path(plan.staging).exists():
-            exc.staging_dir = plan.staging  # type: ignore[attr-defined]
-        raise
+        plan = inspect_inputs(config)
+        lock = TargetLock(Path(plan.lock)).acquire()
+        try:
+            result, manifest = run_export(plan)
+        except MergeflowError as exc:
+            if Path(plan.staging).exists():
+                exc.staging_dir = plan.staging  # type: ignore[attr-defined]
+            raise
+        finally:
+            lock.release()
     finally:
-        lock.release()
+        RankStates.forget(Path(config.local_dir or "").expanduser().resolve())
     publish_manifest_artifacts(plan, manifest, result["output_dir"])
     if config.hf_upload_path:
         result["upload"] = upload_published(result["output_dir"], config.hf_upload_path, config.private)

@@ -60,11 +60,10 @@ class MergePlan:
 
 @dataclass(frozen=True)
 class RankIndex:
-    """One rank file, opened safely and described: hashes for the manifest, metadata per key."""
+    """One rank file, opened safely and described: metadata per key (its sha256 is hashed apart)."""
 
     rank: int
     file_name: str
-    sha256: str
     size: int
     entries: dict[str, TensorEntry]
 
@@ -107,6 +106,23 @@ class ShardRecord:
     size: int
     tensors: dict[str, tuple[str, tuple[int, ...]]]
     plan_fingerprint: str
+    # The file's stamp right after its bytes were proven equal to the hashed stream.
+    verified_stamp: FileStamp
+
+    def verified(self) -> "VerifiedFile":
+        return VerifiedFile(self.sha256, self.verified_stamp)
+
+
+@dataclass(frozen=True)
+class VerifiedFile:
+    """A staged file whose sha256 is proven to be that of its bytes, and its stamp at that moment.
+
+    Validation before publish takes the digest as read while the stamp (size, mtime, ctime,
+    inode) is unchanged, instead of reading a just-verified gigabyte a second time.
+    """
+
+    sha256: str
+    stamp: FileStamp
 
 
 @dataclass(frozen=True)

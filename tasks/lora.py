@@ -180,14 +180,14 @@ def _adapter_shard(plan: MergePlan, lora: LoraPlan, indexes: list[RankIndex]) ->
     )
 
 
-def _adapter_manifest(plan: MergePlan, lora: LoraPlan, indexes: list[RankIndex], shard: ShardRecord,
+def _adapter_manifest(plan: MergePlan, lora: LoraPlan, rank_digests: dict[str, str], shard: ShardRecord,
                       files: list[FileRecord]) -> dict[str, Any]:
     from mergeflow.tasks.publish import build_manifest
 
     spec = LoraSpec.from_dict(plan.lora or {})
     # The adapter directory is an artifact of its own: tensors at its root, its own file list.
     own = replace(plan, artifact_type="peft_adapter", tensor_directory=".")
-    manifest = build_manifest(own, indexes, [shard], files, {"removed_keys": {}})
+    manifest = build_manifest(own, rank_digests, [shard], files, {"removed_keys": {}})
     manifest["lora_adapter"] = {
         "adapter_name": lora.adapter_name,
         "format": lora.adapter_format,
@@ -202,7 +202,7 @@ def _adapter_manifest(plan: MergePlan, lora: LoraPlan, indexes: list[RankIndex],
     return manifest
 
 
-def write_adapter(plan: MergePlan, lora: LoraPlan, indexes: list[RankIndex]) -> AdapterExport:
+def write_adapter(plan: MergePlan, lora: LoraPlan, indexes: list[RankIndex], rank_digests: dict[str, str]) -> AdapterExport:
     """Write `lora_adapter/`: weights (streamed, round-trip verified), adapter_config.json, its manifest."""
     out_dir = adapter_dir(plan)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -216,7 +216,7 @@ def write_adapter(plan: MergePlan, lora: LoraPlan, indexes: list[RankIndex]) -> 
         raw = (adapter_config_json(lora.adapter_config or {}) + "\n").encode("utf-8")
         write_bytes_durable(out_dir / ADAPTER_CONFIG_FILE, raw)
         files.append(FileRecord(ADAPTER_CONFIG_FILE, sha256_file(out_dir / ADAPTER_CONFIG_FILE), len(raw), "written"))
-    manifest = _adapter_manifest(plan, lora, indexes, record, files)
+    manifest = _adapter_manifest(plan, lora, rank_digests, record, files)
     data = write_json_durable(out_dir / MANIFEST_NAME, manifest, indent=2)
     listed = [(record.file_name, record.sha256, record.size)] + [(f.rel_path, f.sha256, f.size) for f in files]
     listed.append((MANIFEST_NAME, sha256_file(out_dir / MANIFEST_NAME), len(data)))
@@ -238,6 +238,7 @@ def plan_lora_writes(plan: MergePlan, lora: LoraPlan, indexes: list[RankIndex]) 
 
 @task(name="write-lora-adapter", task_run_name="write-lora-adapter", retries=2, retry_delay_seconds=1,
       retry_condition_fn=retry_transient, cache_policy=NO_CACHE)
-def write_lora_adapter(plan: MergePlan, lora: LoraPlan, indexes: list[RankIndex]) -> AdapterExport:
+def write_lora_adapter(plan: MergePlan, lora: LoraPlan, indexes: list[RankIndex],
+                       rank_digests: dict[str, str]) -> AdapterExport:
     """Stream the selected adapter into lora_adapter/ with its PEFT (or Diffusers) config and manifest."""
-    return write_adapter(plan, lora, indexes)
+    return write_adapter(plan, lora, indexes, rank_digests)

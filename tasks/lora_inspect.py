@@ -21,9 +21,9 @@ from mergeflow.lora_keys import LoraLayout, classify, group_adapters, require_ad
 from mergeflow.lora_plan import FULL_STATE, LORA_ONLY, LoraSpec, base_model_reference
 from mergeflow.manifest import fingerprint
 from mergeflow.paths import check_no_overlap, check_target, lock_path_for, staging_dir_for
-from mergeflow.rank_files import load_rank_state
 from mergeflow.records import MergePlan
 from mergeflow.schema import diffusers_model_class, expected_tensors, keep_in_fp32_modules, meta_model, read_model_config
+from mergeflow.tasks.reconstruct import RankStates
 
 # The native MiniMax H3 package (SPEC section 3) renames and fuses the Diffusers modules (qkv_proj),
 # so an adapter keyed by Diffusers module paths would not load there.
@@ -91,7 +91,8 @@ def detect_lora(config: ModelMergerConfig) -> LoraSpec | None:
     fsdp = read_fsdp_config(actor)
     rank0 = rank_file_names(actor, fsdp.world_size)[0]
     # mmap: unpickling the key list costs no private memory; every rank's keys are compared later.
-    keys = list(load_rank_state(actor / rank0, trust_checkpoint=config.trust_checkpoint))
+    # Through the shared cache, so load-rank-00000 reuses the parsed file.
+    keys = list(RankStates(actor, (rank0,), trust_checkpoint=config.trust_checkpoint).state(0))
     layout = classify(keys)
     has_meta = (actor / LORA_META).is_file()
     if layout is LoraLayout.NONE and not has_meta:

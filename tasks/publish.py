@@ -13,7 +13,7 @@ from mergeflow.errors import ValidationError
 from mergeflow.fsops import fsync_dir, make_readable, rename_noreplace, sha256_file
 from mergeflow.jsonfiles import write_json_durable
 from mergeflow.manifest import MANIFEST_NAME, SCHEMA_VERSION, fingerprint, producer_versions
-from mergeflow.records import FileRecord, MergePlan, OutputPlan, RankIndex, ShardRecord, ValidationReport
+from mergeflow.records import FileRecord, MergePlan, OutputPlan, ShardRecord, ValidationReport
 from mergeflow.tasks.validate import list_tree, manifest_relpath
 from mergeflow.tasks.write import write_component_config, write_weight_index
 
@@ -21,7 +21,8 @@ LAYERS_PASSED = {"structure": "passed", "source_round_trip": "passed", "artifact
                  "integrity": "passed", "runtime": "not_run"}
 
 
-def _rel(plan: MergePlan, name: str) -> str:
+def relative_to_artifact(plan: MergePlan, name: str) -> str:
+    """Where a file of the tensor directory lies relative to the artifact root."""
     return name if plan.tensor_directory == "." else f"{plan.tensor_directory}/{name}"
 
 
@@ -29,17 +30,17 @@ def write_metadata_files(plan: MergePlan, output: OutputPlan) -> tuple[list[File
     """The component config (path keys removed) and the weight index, hashed as written."""
     tensor_dir = Path(plan.tensor_dir)
     raw, removed = write_component_config(Path(plan.base_component_dir) / "config.json", tensor_dir / "config.json")
-    records = [FileRecord(_rel(plan, "config.json"), sha256_file(tensor_dir / "config.json"), len(raw), "written")]
+    records = [FileRecord(relative_to_artifact(plan, "config.json"), sha256_file(tensor_dir / "config.json"), len(raw), "written")]
     index = write_weight_index(output, plan.weights_name, tensor_dir)
     if index is not None:
         name = f"{plan.weights_name}.index.json"
-        records.append(FileRecord(_rel(plan, name), sha256_file(tensor_dir / name), len(index), "written"))
+        records.append(FileRecord(relative_to_artifact(plan, name), sha256_file(tensor_dir / name), len(index), "written"))
     return records, config_transform_record(plan, removed)
 
 
 def config_transform_record(plan: MergePlan, trained_removed: list[str]) -> dict[str, Any]:
     """Manifest config_transform: local-path keys removed per config, the tensor conversion, base files left out."""
-    removed = {_rel(plan, "config.json"): trained_removed} if trained_removed else {}
+    removed = {relative_to_artifact(plan, "config.json"): trained_removed} if trained_removed else {}
     removed.update(plan.extras.get("config_changes", {}))  # copied configs (computed at inspect, re-checked on copy)
     record: dict[str, Any] = {"removed_keys": dict(sorted(removed.items()))}
     if plan.extras.get("adapter"):
@@ -51,20 +52,25 @@ def config_transform_record(plan: MergePlan, trained_removed: list[str]) -> dict
 
 def build_manifest(
     plan: MergePlan,
-    indexes: list[RankIndex],
+    rank_digests: dict[str, str],
     shards: list[ShardRecord],
     files: list[FileRecord],
     config_transform: dict[str, Any],
     lora_fusion: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The manifest of SPEC section 5, built from records only (no absolute paths)."""
-    source_files = {ix.file_name: ix.sha256 for ix in sorted(indexes, key=lambda ix: ix.rank)}
+    """The manifest of SPEC section 5, built from records only (no absolute paths).
+
+    rank_digests maps every rank file name to its sha256 (see tasks/load.hash_rank).
+    """
+    if set(rank_digests) != set(plan.rank_files):
+        raise ValidationError("the rank files hashed for the manifest are not the checkpoint's rank files")
+    source_files = {name: rank_digests[name] for name in plan.rank_files}
     source_files["fsdp_config.json"] = sha256_file(Path(plan.actor_dir) / "fsdp_config.json")
     if plan.lora is not None:
         source_files.update(plan.lora["source_files"])  # lora_train_meta.json (and adapter_config.json)
     smc = {"sha256": plan.source_config_sha256, "logical_path": "huggingface/config.json"}
     tensors = {name: {"shape": list(shape), "dtype": dtype} for s in shards for name, (dtype, shape) in s.tensors.items()}
-    out_files = {_rel(plan, s.file_name): s.sha256 for s in shards}
+    out_files = {relative_to_artifact(plan, s.file_name): s.sha256 for s in shards}
     out_files.update({f.rel_path: f.sha256 for f in files})
     manifest: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
@@ -92,11 +98,11 @@ def build_manifest(
     return manifest
 
 
-def finalize_staging(plan: MergePlan, output: OutputPlan, indexes: list[RankIndex], shards: list[ShardRecord],
+def finalize_staging(plan: MergePlan, output: OutputPlan, rank_digests: dict[str, str], shards: list[ShardRecord],
                      extra_files: list[FileRecord] | None = None, lora_fusion: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write the remaining files and the manifest into the staging artifact (extra_files: e.g. lora_adapter/)."""
     files, transform = write_metadata_files(plan, output)
-    manifest = build_manifest(plan, indexes, shards, files + list(extra_files or []), transform, lora_fusion)
+    manifest = build_manifest(plan, rank_digests, shards, files + list(extra_files or []), transform, lora_fusion)
     write_json_durable(Path(plan.artifact_dir) / MANIFEST_NAME, manifest, indent=2)
     return manifest
 
@@ -118,10 +124,10 @@ def publish_staged(plan: MergePlan, report: ValidationReport) -> dict[str, str]:
 
 
 @task(name="write-metadata", task_run_name="write-metadata", retries=1, retry_delay_seconds=1, cache_policy=NO_CACHE)
-def write_metadata(plan: MergePlan, output: OutputPlan, indexes: list[RankIndex], shards: list[ShardRecord],
+def write_metadata(plan: MergePlan, output: OutputPlan, rank_digests: dict[str, str], shards: list[ShardRecord],
                    extra_files: list[FileRecord] | None = None, lora_fusion: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write config, weight index and manifest into staging."""
-    return finalize_staging(plan, output, indexes, shards, extra_files, lora_fusion)
+    return finalize_staging(plan, output, rank_digests, shards, extra_files, lora_fusion)
 
 
 @task(name="publish", task_run_name="publish", cache_policy=NO_CACHE)

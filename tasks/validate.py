@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ from mergeflow.manifest import MANIFEST_NAME, check_manifest
 from mergeflow.paths import check_relative_name
 from mergeflow.pipeline_contract import check_pipeline_artifact
 from mergeflow.config_paths import is_config_json
-from mergeflow.records import MergePlan, ValidationReport
+from mergeflow.records import MergePlan, ValidationReport, VerifiedFile
 from mergeflow.safetensors_format import nbytes, read_header
 
 WEIGHT_NAMES = ("diffusion_pytorch_model.safetensors", "model.safetensors")
@@ -50,20 +51,34 @@ def list_tree(root: Path) -> list[str]:
     return sorted(found)
 
 
-def check_tree_and_hashes(root: Path, files: dict[str, str], *, workers: int = 4) -> None:
-    """The file tree equals the manifest's list exactly and every sha256 matches."""
+def check_tree_and_hashes(root: Path, files: dict[str, str], *, verified: Mapping[str, VerifiedFile] | None = None,
+                          workers: int = 4) -> None:
+    """The file tree equals the manifest's list exactly and every sha256 matches.
+
+    `verified` (staged exports only) names files whose digest this export proved from their
+    bytes: such a file is taken as read while its stamp is unchanged since; every other file,
+    and every file of a published artifact, is hashed here.
+    """
     present = set(list_tree(root)) - {MANIFEST_NAME}
     listed = set(files)
     if present - listed:
         raise ValidationError(f"{sorted(present - listed)[0]} is in the artifact but not in the manifest")
     if listed - present:
         raise ValidationError(f"{sorted(listed - present)[0]} is listed in the manifest but missing")
-    names = sorted(listed, key=lambda n: -(root / n).stat().st_size)
+    digests = {name: v.sha256 for name, v in (verified or {}).items() if name in listed and _unchanged(root / name, v)}
+    names = sorted(listed - set(digests), key=lambda n: -(root / n).stat().st_size)
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        digests = dict(zip(names, pool.map(lambda n: sha256_file(root / n), names)))
-    for name in sorted(names):
+        digests.update(zip(names, pool.map(lambda n: sha256_file(root / n), names)))
+    for name in sorted(listed):
         if digests[name] != files[name]:
             raise ValidationError(f"{name} does not match its sha256 in the manifest: the file was changed or damaged")
+
+
+def _unchanged(path: Path, verified: VerifiedFile) -> bool:
+    try:
+        return FileStamp.of(path) == verified.stamp
+    except FileNotFoundError:
+        return False
 
 
 def check_weights(tensor_dir: Path, rel_prefix: str, tensors: dict[str, Any]) -> int:
@@ -141,18 +156,18 @@ def manifest_relpath(root: Path) -> str:
     return ADAPTER_MANIFEST if adapter_only_root(root) is not None else MANIFEST_NAME
 
 
-def validate_artifact_dir(root: Path) -> ArtifactSummary:
-    """Everything `test` checks, without the source checkpoint."""
+def validate_artifact_dir(root: Path, verified: Mapping[str, VerifiedFile] | None = None) -> ArtifactSummary:
+    """Everything `test` checks, without the source checkpoint (`verified`: see check_tree_and_hashes)."""
     if not root.is_dir():
         raise ValidationError(f"{root} is not a directory")
     adapter_only = adapter_only_root(root)
     if adapter_only is not None:
-        return validate_artifact_dir(adapter_only)
+        return validate_artifact_dir(adapter_only, _below(verified, adapter_only.relative_to(root).as_posix()))
     manifest_path = root / MANIFEST_NAME
     if manifest_path.is_symlink() or not manifest_path.is_file():
         raise ValidationError(f"{root.name} has no {MANIFEST_NAME}; is it a mergeflow artifact?")
     manifest = check_manifest(read_json_strict(manifest_path, ValidationError, MANIFEST_NAME))
-    check_tree_and_hashes(root, manifest["files"])
+    check_tree_and_hashes(root, manifest["files"], verified=verified)
     check_configs(root, manifest)
     tensor_dir = root / manifest["tensor_directory"]
     prefix = "" if manifest["tensor_directory"] == "." else manifest["tensor_directory"]
@@ -161,9 +176,16 @@ def validate_artifact_dir(root: Path) -> ArtifactSummary:
     else:
         count = check_weights(tensor_dir, prefix, manifest["tensors"]) if manifest["tensors"] else 0
     if ADAPTER_MANIFEST in manifest["files"]:  # an exported adapter beside the model: an artifact of its own
-        if validate_artifact_dir(root / ADAPTER_DIR).artifact_type != "peft_adapter":
+        if validate_artifact_dir(root / ADAPTER_DIR, _below(verified, ADAPTER_DIR)).artifact_type != "peft_adapter":
             raise ValidationError(f"{ADAPTER_DIR}/ holds an artifact that is not a peft_adapter")
     return ArtifactSummary(manifest["architecture"], manifest["artifact_type"], len(manifest["files"]) + 1, count, manifest)
+
+
+def _below(verified: Mapping[str, VerifiedFile] | None, prefix: str) -> dict[str, VerifiedFile] | None:
+    """The entries of `verified` inside directory `prefix`, relative to it."""
+    if not verified:
+        return None
+    return {name.removeprefix(f"{prefix}/"): v for name, v in verified.items() if name.startswith(f"{prefix}/")}
 
 
 def check_inputs_unchanged(plan: MergePlan) -> None:
@@ -195,11 +217,16 @@ def check_loadable(plan: MergePlan, tensors: dict[str, Any]) -> None:
         raise ValidationError("the staged weights do not match what the staged config builds")
 
 
-def validate_staged(plan: MergePlan, manifest: dict[str, Any]) -> ValidationReport:
-    """Layer 4 on the staging tree: inputs unchanged, loadable, and everything `test` checks."""
+def validate_staged(plan: MergePlan, manifest: dict[str, Any],
+                    verified: Mapping[str, VerifiedFile] | None = None) -> ValidationReport:
+    """Layer 4 on the staging tree: inputs unchanged, loadable, and everything `test` checks.
+
+    `verified` maps paths relative to the artifact root to the digests the shard writers
+    proved (see check_tree_and_hashes).
+    """
     check_inputs_unchanged(plan)
     check_loadable(plan, manifest["tensors"])
-    summary = validate_artifact_dir(Path(plan.artifact_dir))
+    summary = validate_artifact_dir(Path(plan.artifact_dir), verified)
     return ValidationReport(
         artifact_dir=plan.artifact_dir,
         manifest_sha256=sha256_file(Path(plan.artifact_dir) / manifest_relpath(Path(plan.artifact_dir))),
@@ -211,9 +238,10 @@ def validate_staged(plan: MergePlan, manifest: dict[str, Any]) -> ValidationRepo
 
 
 @task(name="validate-staged", task_run_name="validate-staged", cache_policy=NO_CACHE)
-def validate_staged_task(plan: MergePlan, manifest: dict[str, Any]) -> ValidationReport:
+def validate_staged_task(plan: MergePlan, manifest: dict[str, Any],
+                         verified: dict[str, VerifiedFile] | None = None) -> ValidationReport:
     """Re-check the staged artifact end to end before it may be published."""
-    return validate_staged(plan, manifest)
+    return validate_staged(plan, manifest, verified)
 
 
 @task(name="validate-artifact", task_run_name="validate-{path}")

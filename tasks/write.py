@@ -16,18 +16,18 @@ import torch
 from prefect import task
 
 from mergeflow.errors import CheckpointError, DiskFullError
-from mergeflow.fsops import sha256_file
+from mergeflow.fsops import FileStamp, sha256_file
 from mergeflow.jsonfiles import write_json_durable
 from mergeflow.manifest import fingerprint
 from mergeflow.records import MergePlan, OutputPlan, ShardPlan, ShardRecord, TensorWrite
-from mergeflow.streamio import HashingWriter
+from mergeflow.streamio import BackgroundFlush, HashingWriter
 from mergeflow.safetensors_format import DTYPES, build_header, nbytes, read_header, torch_dtype
 from mergeflow.staging import file_stamp, staged_file_state, staging_id
 from mergeflow.tasks.common import retry_transient
 from mergeflow.tasks.lora_fuse import transformed_tensor, verify_transformed
+from mergeflow.tasks.readback import FollowingReadBack, read_exact
 from mergeflow.tasks.reconstruct import (
     RankStates,
-    all_finite,
     global_pieces,
     is_streamed,
     primary_chunks,
@@ -73,7 +73,7 @@ def pack_shards(writes: list[TensorWrite], max_shard_size: int, weights_name: st
                 file_name=name,
                 tensors=tuple(group),
                 nbytes=sum(nbytes(t.out_dtype, t.layout.shape) for t in group),
-                fingerprint=fingerprint([plan_fingerprint, name, body, "write-v1"]),
+                fingerprint=fingerprint([plan_fingerprint, name, body, "write-v2"]),
             )
         )
     total = sum(s.nbytes for s in shards)
@@ -115,30 +115,24 @@ def _write_shard_file(shard: ShardPlan, states: RankStates, artifact_dir: Path, 
     header, entries = build_header([(t.name, t.out_dtype, t.layout.shape) for t in ordered], shard.metadata or HEADER_METADATA)
     partial = work_dir / f"{shard.file_name}.partial"
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    writer = HashingWriter(fd)
+    flush = BackgroundFlush(fd)
     try:
-        writer.write(memoryview(header))
-        for tw in ordered:
-            # A transform (LoRA fusion) computes the tensor from its sources; otherwise stream the rank pieces.
-            if tw.transform is not None:
-                pieces = [transformed_tensor(tw, states)]
-            else:
-                streamed = is_streamed(tw.layout, tw.out_dtype)
-                chunks = verified_chunks(tw.layout, states, check_values=not streamed)
-                pieces = global_pieces(tw.layout, chunks, tw.out_dtype, tw.name)
-            written = 0
-            for piece in pieces:
-                written += writer.write(_as_bytes(piece))
-            if written != entries[tw.name].end - entries[tw.name].begin:
-                raise CheckpointError(f"{tw.name}: wrote {written} bytes, expected {entries[tw.name].end - entries[tw.name].begin}")
-            for hook in PROGRESS_HOOKS:
-                hook(written, 1)
-        os.fsync(fd)
-        digest = writer.hexdigest()
+        follow = FollowingReadBack(partial, len(header), entries, states)
+        try:
+            digest = _stream_shard(fd, header, entries, ordered, states, follow, flush)
+        except BaseException:
+            follow.abort()
+            raise
+        flush.fsync()  # the disk flush overlaps the checks that are left, which only need the page cache
+        follow.finish()
+        verify_written_shard(partial, shard, states, header)
+        flush.check()
+    except BaseException:
+        flush.abandon()
+        raise
     finally:
-        writer.close()
+        flush.join()
         os.close(fd)
-    verify_written_shard(partial, shard, states)
     os.replace(partial, final)
     record = ShardRecord(
         file_name=shard.file_name,
@@ -146,10 +140,42 @@ def _write_shard_file(shard: ShardPlan, states: RankStates, artifact_dir: Path, 
         size=final.stat().st_size,
         tensors={t.name: (t.out_dtype, t.layout.shape) for t in ordered},
         plan_fingerprint=shard.fingerprint,
+        verified_stamp=FileStamp.of(final),
     )
     # The stamp lets a rerun's cache key tell an intact staged file from a changed one.
     write_json_durable(record_path, {**asdict(record), "stamp": file_stamp(final)})
     return record
+
+
+def _stream_shard(fd: int, header: bytes, entries: dict[str, Any], ordered: list[TensorWrite], states: RankStates,
+                  follow: FollowingReadBack, flush: BackgroundFlush) -> str:
+    """Write the header and every tensor's bytes in file order; returns the sha256 of the stream.
+
+    Each streamed tensor is handed to `follow` once written, to be read back and compared.
+    """
+    writer = HashingWriter(fd, flush=flush)
+    try:
+        writer.write(memoryview(header))
+        for tw in ordered:
+            # A transform (LoRA fusion) computes the tensor from its sources; otherwise stream the rank pieces.
+            streamed = tw.transform is None and is_streamed(tw.layout, tw.out_dtype)
+            if tw.transform is not None:
+                pieces = [transformed_tensor(tw, states)]
+            else:
+                chunks = verified_chunks(tw.layout, states, check_values=not streamed)
+                pieces = global_pieces(tw.layout, chunks, tw.out_dtype, tw.name)
+            written = 0
+            for piece in pieces:
+                written += writer.write(_as_bytes(piece))
+            if written != entries[tw.name].end - entries[tw.name].begin:
+                raise CheckpointError(f"{tw.name}: wrote {written} bytes, expected {entries[tw.name].end - entries[tw.name].begin}")
+            if streamed:
+                follow.submit(tw)
+            for hook in PROGRESS_HOOKS:
+                hook(written, 1)
+        return writer.hexdigest()
+    finally:
+        writer.close()
 
 
 def open_tensors(path: Path, expected_metadata: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
@@ -168,10 +194,24 @@ def open_tensors(path: Path, expected_metadata: dict[str, str] | None = None) ->
     return out
 
 
-def verify_written_shard(path: Path, shard: ShardPlan, states: RankStates) -> None:
-    """Layers 2 and 3: reopen the written file and compare every tensor with every rank shard."""
+def verify_written_shard(path: Path, shard: ShardPlan, states: RankStates, header: bytes) -> None:
+    """Layers 2 and 3 for what the read-back during writing did not cover.
+
+    Streamed tensors were compared while the file was written (FollowingReadBack). Here:
+    the header bytes, the file size, names, shapes and dtypes as safetensors reads them,
+    and every computed tensor (cast, concatenated, fused). Together every byte of the file
+    is compared with what was meant to be written, so the sha256 hashed while writing is
+    the file's sha256 without reading the file a second time.
+    """
     from safetensors import safe_open
 
+    if path.stat().st_size != len(header) + shard.nbytes:
+        raise CheckpointError(f"{path.name} is {path.stat().st_size} bytes, expected {len(header) + shard.nbytes}")
+    with open(path, "rb", buffering=0) as handle:
+        on_disk = bytearray(len(header))
+        read_exact(handle, memoryview(on_disk), path.name)
+    if on_disk != header:
+        raise CheckpointError(f"{path.name}: the header read back differs from the header written")
     with safe_open(str(path), framework="pt") as handle:
         names = set(handle.keys())
         for tw in shard.tensors:
@@ -182,50 +222,15 @@ def verify_written_shard(path: Path, shard: ShardPlan, states: RankStates) -> No
                 raise CheckpointError(f"{path.name}: {tw.name} was written with the wrong shape or dtype")
     if names != {t.name for t in shard.tensors}:
         raise CheckpointError(f"{path.name}: holds tensors that were not planned")
-    streamed = [tw for tw in shard.tensors if tw.transform is None and is_streamed(tw.layout, tw.out_dtype)]
-    compare_streamed(path, streamed, states)
-    rest = [tw for tw in shard.tensors if tw not in streamed]
-    if not rest:
+    computed = [tw for tw in shard.tensors if tw.transform is not None or not is_streamed(tw.layout, tw.out_dtype)]
+    if not computed:
         return
     tensors = open_tensors(path, shard.metadata)
-    for tw in rest:
+    for tw in computed:
         if tw.transform is not None:
             verify_transformed(tw, tensors[tw.name], states)
         else:
             verify_round_trip(tw.layout, tensors[tw.name], primary_chunks(tw.layout, states), tw.out_dtype, tw.name)
-
-
-def compare_streamed(path: Path, tensors: list[TensorWrite], states: RankStates) -> None:
-    """Read the file back and compare each streamed tensor's regions with its rank shards.
-
-    For these tensors each file region is exactly one rank's local shard (re-slicing at byte
-    level). The shards' finiteness is checked in the same pass, so their bytes are read once.
-    Plain reads into one reused buffer avoid faulting in a second mapping of the file.
-    """
-    entries, _, data_start = read_header(path)
-    buffer = bytearray(WRITE_BLOCK)
-    window = torch.frombuffer(buffer, dtype=torch.uint8)
-    with open(path, "rb", buffering=0) as handle:
-        for tw in tensors:
-            handle.seek(data_start + entries[tw.name].begin)
-            for index, local in enumerate(c for c in primary_chunks(tw.layout, states) if c.numel()):
-                flat = local.reshape(-1).view(torch.uint8)
-                for start in range(0, flat.numel(), WRITE_BLOCK):
-                    n = min(WRITE_BLOCK, flat.numel() - start)
-                    _read_exact(handle, memoryview(buffer)[:n], path.name)
-                    expected = flat[start : start + n]
-                    if not torch.equal(window[:n], expected):
-                        raise CheckpointError(f"{tw.name}: round trip failed, shard {index} differs from the written bytes")
-                    if local.is_floating_point() and not all_finite(expected.view(local.dtype)):
-                        raise CheckpointError(f"{tw.name} (shard {index}) holds inf or nan values; refusing to export a broken weight")
-
-
-def _read_exact(handle: Any, view: memoryview, name: str) -> None:
-    while len(view):
-        n = handle.readinto(view)
-        if not n:
-            raise CheckpointError(f"{name} is shorter than its header says")
-        view = view[n:]
 
 
 def _reusable(record_path: Path, final: Path, shard: ShardPlan) -> ShardRecord | None:
@@ -234,20 +239,17 @@ def _reusable(record_path: Path, final: Path, shard: ShardPlan) -> ShardRecord |
         return None
     try:
         data = json.loads(record_path.read_text())
-        record = ShardRecord(
-            file_name=data["file_name"],
-            sha256=data["sha256"],
-            size=data["size"],
-            tensors={k: (v[0], tuple(v[1])) for k, v in data["tensors"].items()},
-            plan_fingerprint=data["plan_fingerprint"],
-        )
+        recorded = (data["file_name"], data["sha256"], data["size"], data["plan_fingerprint"])
+        tensors = {k: (v[0], tuple(v[1])) for k, v in data["tensors"].items()}
     except (ValueError, KeyError, TypeError, IndexError):
         return None
-    if record.plan_fingerprint != shard.fingerprint or final.stat().st_size != record.size:
+    if recorded[3] != shard.fingerprint or final.stat().st_size != recorded[2]:
         return None
-    if sha256_file(final) != record.sha256:
+    stamp = FileStamp.of(final)
+    if sha256_file(final) != recorded[1] or FileStamp.of(final) != stamp:
         return None
-    return record
+    return ShardRecord(file_name=recorded[0], sha256=recorded[1], size=recorded[2], tensors=tensors,
+                       plan_fingerprint=recorded[3], verified_stamp=stamp)
 
 
 def _shard_cache_key(context: Any, parameters: dict[str, Any]) -> str:

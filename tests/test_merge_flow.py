@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -14,6 +15,7 @@ from builders import assert_bit_exact, leftovers, make_export, output_state, tre
 from mergeflow import merge_model, validate_artifact
 from mergeflow.errors import ValidationError
 from mergeflow.synthetic.checkpoints import run_tiny_forward
+from mergeflow.tasks.reconstruct import RankStates
 
 CLASSES = [
     "FluxTransformer2DModel",
@@ -62,6 +64,10 @@ def test_world_sizes_and_meshes(tmp_path: Path, prefect_api: object, world_size:
     manifest = json.loads(Path(result.manifest_path).read_text())
     expected_sources = {f"model_world_size_{world_size}_rank_{r}.pt" for r in range(world_size)} | {"fsdp_config.json"}
     assert set(manifest["source_files"]) == expected_sources
+    for name, digest in manifest["source_files"].items():  # hashed in their own tasks, beside the writers
+        assert digest == hashlib.sha256((ex.actor_dir / name).read_bytes()).hexdigest(), name
+    # The rank files parsed during the export are not kept mapped once it is over.
+    assert not [key for key in RankStates._cache if Path(key[0]).parent == ex.actor_dir.resolve()]
 
 
 def test_multi_shard_output_with_index(tmp_path: Path, prefect_api: object) -> None:

@@ -351,5 +351,19 @@ def test_unsafe_loader_rejects_but_trust_allows_a_harmless_custom_object(ex1: Ex
     expect_refusal(ex1, E.CheckpointError, "not a tensor", trust_checkpoint=True)
 
 
+def test_a_trusted_load_is_never_reused_without_trust(ex1: Export, prefect_api: object) -> None:
+    """Parsed rank files are shared within a process; one that needed --trust-checkpoint is not."""
+    from mergeflow.tasks.reconstruct import RankStates
+
+    _edit_plain(ex1, lambda s: s.update({"meta": pickle.loads(pickle.dumps(_Harmless()))}))
+    names = ("model_world_size_1_rank_0.pt",)
+    assert "meta" in RankStates(ex1.actor_dir, names, trust_checkpoint=True).state(0)
+    with pytest.raises(E.UnsafeCheckpointError):
+        RankStates(ex1.actor_dir, names).state(0)
+    expect_refusal(ex1, E.CheckpointError, "not a tensor", trust_checkpoint=True)
+    expect_refusal(ex1, E.UnsafeCheckpointError)
+    RankStates.forget(ex1.actor_dir)
+
+
 class _Harmless:
     pass

@@ -26,19 +26,23 @@ SHARD = 60_000  # the tiny Flux (~270 KB) splits into several shards
 
 
 def corrupt_one_shard_before_validation(monkeypatch: pytest.MonkeyPatch, index: int) -> list[Path]:
-    """Flip one byte of the index-th staged shard after it was written and verified, just before validation."""
+    """Flip one byte of the index-th staged shard after it was written and verified, just before validation.
+
+    Validation is handed the writer's proven digests; the changed file must be hashed anyway.
+    """
     import mergeflow.tasks.validate as validate_module
 
     original = validate_module.validate_staged
     hit: list[Path] = []
 
-    def corrupting(plan: Any, manifest: dict[str, Any]) -> Any:
+    def corrupting(plan: Any, manifest: dict[str, Any], verified: Any = None) -> Any:
         path = sorted(Path(plan.tensor_dir).glob("*.safetensors"))[index]
         data = bytearray(path.read_bytes())
         data[-1] ^= 0xFF
         path.write_bytes(bytes(data))
         hit.append(path)
-        return original(plan, manifest)
+        assert verified and any(name.endswith(path.name) for name in verified)
+        return original(plan, manifest, verified)
 
     monkeypatch.setattr(validate_module, "validate_staged", corrupting)
     return hit

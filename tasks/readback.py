@@ -1,0 +1,99 @@
+"""Reading a shard back while it is being written: each streamed tensor against its rank shards."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mergeflow.errors import CheckpointError
+from mergeflow.records import TensorWrite
+from mergeflow.tasks.reconstruct import RankStates, all_finite, primary_chunks, same_bytes
+
+BLOCK = 16 * 1024 * 1024
+_DONE = None
+
+
+class FollowingReadBack:
+    """A thread that re-reads each streamed tensor from the file as soon as the writer has written it.
+
+    The comparison reads the written bytes back through the file (from the page cache, as a
+    read after the whole file was written would) and compares them with every rank's local
+    shard; the shards' finiteness is checked on the same pass, so rank bytes are scanned once.
+    Following the writer instead of running after it puts this work on the core the writer
+    leaves idle while its sha256 thread sets the pace.
+    """
+
+    def __init__(self, path: Path, data_start: int, entries: dict[str, Any], states: RankStates) -> None:
+        self.path = path
+        self.data_start = data_start
+        self.entries = entries
+        self.states = states
+        self.checked = 0
+        self._queue: queue.Queue[TensorWrite | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._handle = open(path, "rb", buffering=0)
+        self._thread = threading.Thread(target=self._run, name="read-back", daemon=True)
+        self._thread.start()
+
+    def submit(self, tw: TensorWrite) -> None:
+        """Queue a tensor whose bytes are fully written; raises early if an earlier one failed."""
+        if self._error is not None:
+            raise self._error
+        self._queue.put(tw)
+
+    def finish(self) -> int:
+        """Wait until every queued tensor is compared; returns how many were, raises the first failure."""
+        self._close()
+        if self._error is not None:
+            raise self._error
+        return self.checked
+
+    def abort(self) -> None:
+        """Stop without waiting for the rest (the write failed; its own error is what counts)."""
+        self._stop.set()
+        self._close()
+
+    def _close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(_DONE)
+            self._thread.join()
+        self._handle.close()
+
+    def _run(self) -> None:
+        buffer = bytearray(BLOCK)
+        try:
+            while (tw := self._queue.get()) is not _DONE and not self._stop.is_set():
+                compare_tensor(self._handle, buffer, self.data_start + self.entries[tw.name].begin, tw, self.states,
+                               self.path.name)
+                self.checked += 1
+        except BaseException as exc:  # handed to the writer's thread by submit()/finish()
+            self._error = exc
+
+
+def compare_tensor(handle: Any, buffer: bytearray, offset: int, tw: TensorWrite, states: RankStates, file_name: str) -> None:
+    """Compare a streamed tensor's file region with its rank shards in order, and check them finite."""
+    window = torch.frombuffer(buffer, dtype=torch.uint8)
+    handle.seek(offset)
+    for index, local in enumerate(c for c in primary_chunks(tw.layout, states) if c.numel()):
+        flat = local.reshape(-1).view(torch.uint8)
+        for start in range(0, flat.numel(), BLOCK):
+            n = min(BLOCK, flat.numel() - start)
+            read_exact(handle, memoryview(buffer)[:n], file_name)
+            expected = flat[start : start + n]
+            if not same_bytes(window[:n], expected):
+                raise CheckpointError(f"{tw.name}: round trip failed, shard {index} differs from the written bytes")
+            if local.is_floating_point() and not all_finite(expected.view(local.dtype)):
+                raise CheckpointError(f"{tw.name} (shard {index}) holds inf or nan values; refusing to export a broken weight")
+
+
+def read_exact(handle: Any, view: memoryview, name: str) -> None:
+    while len(view):
+        n = handle.readinto(view)
+        if not n:
+            raise CheckpointError(f"{name} is shorter than its header says")
+        view = view[n:]

@@ -1,0 +1,189 @@
+"""The shard writer's own proofs: read-back while writing, header and size, the digest it records,
+and the validation that takes that digest instead of hashing the file again."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from mergeflow.errors import CheckpointError, InputChangedError, ValidationError
+from mergeflow.fsops import FileStamp
+from mergeflow.layout import plan_layouts
+from mergeflow.records import ShardPlan, TensorWrite, VerifiedFile
+from mergeflow.streamio import BackgroundFlush, HashingWriter
+from mergeflow.synthetic.checkpoints import save_fsdp_checkpoint
+from mergeflow.tasks import validate, write
+from mergeflow.tasks.load import hash_rank_file, index_rank_file
+from mergeflow.tasks.reconstruct import RankStates, same_bytes
+
+WORLD = 3
+
+
+class Small(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.a = nn.Parameter(torch.randn(7, 5, generator=g))
+        self.b = nn.Parameter(torch.randn(4, 3, generator=g).to(torch.bfloat16))
+        self.c = nn.Parameter(torch.randn(5, generator=g))
+
+
+@pytest.fixture()
+def shard_setup(tmp_path: Path) -> tuple[ShardPlan, RankStates, Path]:
+    actor = save_fsdp_checkpoint(Small(), tmp_path / "actor", WORLD)
+    names = tuple(f"model_world_size_{WORLD}_rank_{r}.pt" for r in range(WORLD))
+    layouts = plan_layouts([index_rank_file(actor, n, r).entries for r, n in enumerate(names)])
+    writes = [TensorWrite(k, k, layout, layout.dtype) for k, layout in layouts.items()]
+    shard = write.pack_shards(writes, 1 << 30, "diffusion_pytorch_model.safetensors", "fp").shards[0]
+    out = tmp_path / "out"
+    (out / "work").mkdir(parents=True)
+    return shard, RankStates(actor, names), out
+
+
+def test_recorded_digest_and_stamp_are_those_of_the_file(shard_setup) -> None:  # type: ignore[no-untyped-def]
+    shard, states, out = shard_setup
+    record = write.write_shard_file(shard, states, out, out / "work")
+    path = out / record.file_name
+    assert record.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert record.verified_stamp == FileStamp.of(path)
+    assert record.verified() == VerifiedFile(record.sha256, FileStamp.of(path))
+
+
+def test_a_writer_that_writes_wrong_bytes_is_caught_by_the_read_back(shard_setup, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    shard, states, out = shard_setup
+    real = write._as_bytes
+
+    def flip_one_byte(tensor: torch.Tensor) -> memoryview:
+        data = bytearray(real(tensor))
+        if tensor.dtype == torch.bfloat16:
+            data[-1] ^= 0x01
+        return memoryview(data)
+
+    monkeypatch.setattr(write, "_as_bytes", flip_one_byte)
+    with pytest.raises(CheckpointError, match="round trip failed"):
+        write.write_shard_file(shard, states, out, out / "work")
+    assert not (out / shard.file_name).exists()
+
+
+def test_a_damaged_header_is_caught(shard_setup, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    shard, states, out = shard_setup
+    real = write._stream_shard
+
+    def then_damage_header(fd: int, header: bytes, *args: object) -> str:
+        digest = real(fd, header, *args)
+        os.pwrite(fd, b"!", len(header) - 1)  # the header's trailing padding: still parses
+        return digest
+
+    monkeypatch.setattr(write, "_stream_shard", then_damage_header)
+    with pytest.raises(CheckpointError, match="header read back differs"):
+        write.write_shard_file(shard, states, out, out / "work")
+    assert not (out / shard.file_name).exists()
+
+
+def test_trailing_bytes_are_caught(shard_setup, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    shard, states, out = shard_setup
+    real = write._stream_shard
+
+    def then_append(fd: int, *args: object) -> str:
+        digest = real(fd, *args)
+        os.write(fd, b"\0")
+        return digest
+
+    monkeypatch.setattr(write, "_stream_shard", then_append)
+    with pytest.raises(CheckpointError, match="bytes, expected"):
+        write.write_shard_file(shard, states, out, out / "work")
+
+
+def test_same_bytes() -> None:
+    a = torch.arange(1000, dtype=torch.int16)
+    b = a.clone()
+    assert same_bytes(a.view(torch.uint8), b.view(torch.uint8))
+    b[-1] += 1
+    assert not same_bytes(a.view(torch.uint8), b.view(torch.uint8))
+    assert not same_bytes(a[:10].view(torch.uint8), a[:11].view(torch.uint8))
+    assert same_bytes(a[:0].view(torch.uint8), b[:0].view(torch.uint8))
+    with pytest.raises(ValueError):
+        same_bytes(a.view(10, 100).t(), b.view(10, 100).t())
+
+
+def test_hashing_writer_with_background_flush(tmp_path: Path) -> None:
+    data = os.urandom(3 * 1024 * 1024 + 17)
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    flush = BackgroundFlush(fd, step=1024 * 1024)
+    try:
+        writer = HashingWriter(fd, flush=flush)
+        for start in range(0, len(data), 700_000):
+            writer.write(memoryview(data)[start : start + 700_000])
+        digest = writer.hexdigest()
+        flush.fsync()
+        flush.check()
+    finally:
+        flush.join()
+        os.close(fd)
+    assert path.read_bytes() == data and digest == hashlib.sha256(data).hexdigest()
+
+
+def test_a_failed_fsync_is_reported() -> None:
+    read_end, write_end = os.pipe()
+    try:
+        flush = BackgroundFlush(write_end)
+        flush.fsync()
+        with pytest.raises(OSError):  # fsync on a pipe: EINVAL, raised in the writer's thread
+            flush.check()
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
+def _tree(root: Path) -> dict[str, str]:
+    (root / "big.bin").write_bytes(os.urandom(1 << 20))
+    (root / "small.json").write_text("{}")
+    return {n: hashlib.sha256((root / n).read_bytes()).hexdigest() for n in ("big.bin", "small.json")}
+
+
+def test_validation_takes_a_verified_digest_only_while_the_file_is_unchanged(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    files = _tree(tmp_path)
+    verified = {"big.bin": VerifiedFile(files["big.bin"], FileStamp.of(tmp_path / "big.bin"))}
+    hashed: list[str] = []
+    real = validate.sha256_file
+    monkeypatch.setattr(validate, "sha256_file", lambda p: hashed.append(p.name) or real(p))
+
+    validate.check_tree_and_hashes(tmp_path, files, verified=verified)
+    assert hashed == ["small.json"]  # the proven file was not read again
+
+    # Same size, same mtime, one byte changed: ctime moves, so the digest is not trusted.
+    big = tmp_path / "big.bin"
+    st = big.stat()
+    with open(big, "r+b") as fh:
+        fh.seek(1000)
+        byte = fh.read(1)
+        fh.seek(1000)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(big, ns=(st.st_atime_ns, st.st_mtime_ns))
+    hashed.clear()
+    with pytest.raises(ValidationError, match="big.bin does not match"):
+        validate.check_tree_and_hashes(tmp_path, files, verified=verified)
+    assert "big.bin" in hashed
+
+
+def test_a_verified_digest_that_disagrees_with_the_manifest_fails(tmp_path: Path) -> None:
+    files = _tree(tmp_path)
+    verified = {"big.bin": VerifiedFile("0" * 64, FileStamp.of(tmp_path / "big.bin"))}
+    with pytest.raises(ValidationError, match="big.bin does not match"):
+        validate.check_tree_and_hashes(tmp_path, files, verified=verified)
+
+
+def test_rank_hash_refuses_a_file_that_is_not_the_planned_one(tmp_path: Path) -> None:
+    actor = save_fsdp_checkpoint(Small(), tmp_path / "actor", 1)
+    name = "model_world_size_1_rank_0.pt"
+    planned = FileStamp.of(actor / name)
+    assert hash_rank_file(actor, name, planned) == hashlib.sha256((actor / name).read_bytes()).hexdigest()
+    os.utime(actor / name, ns=(1, 1))
+    with pytest.raises(InputChangedError, match="changed during the export"):
+        hash_rank_file(actor, name, planned)
