@@ -122,7 +122,7 @@ def all_finite(tensor: torch.Tensor) -> bool:
     if spec is None:
         return all(bool(torch.isfinite(flat[s : s + _CHECK_ELEMENTS]).all()) for s in range(0, flat.numel(), _CHECK_ELEMENTS))
     int_dtype, magnitude, exponent = spec
-    ints = flat.view(int_dtype).numpy()
+    ints = flat.detach().view(int_dtype).numpy()
     buffer = np.empty(min(ints.size, _CHECK_ELEMENTS), dtype=ints.dtype)
     for start in range(0, ints.size, _CHECK_ELEMENTS):
         piece = ints[start : start + _CHECK_ELEMENTS]

@@ -187,3 +187,12 @@ def test_rank_hash_refuses_a_file_that_is_not_the_planned_one(tmp_path: Path) ->
     os.utime(actor / name, ns=(1, 1))
     with pytest.raises(InputChangedError, match="changed during the export"):
         hash_rank_file(actor, name, planned)
+
+
+def test_finite_scan_takes_parameters_and_scalars() -> None:
+    from mergeflow.tasks.reconstruct import all_finite
+
+    assert all_finite(nn.Parameter(torch.randn(10)))
+    assert not all_finite(nn.Parameter(torch.tensor([1.0, float("inf")])))
+    assert all_finite(torch.tensor(3.0, dtype=torch.bfloat16))
+    assert not all_finite(torch.tensor(float("nan"), dtype=torch.float16))
