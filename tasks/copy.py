@@ -22,7 +22,7 @@ from mergeflow.errors import DiskFullError, InputChangedError
 from mergeflow.fsops import FileStamp, is_plain_file, sha256_file
 from mergeflow.jsonfiles import write_bytes_durable
 from mergeflow.records import CopyResult, FileRecord, MergePlan
-from mergeflow.tasks.common import retry_transient
+from mergeflow.tasks.common import RETRY_IO
 
 _DISK_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
 
@@ -129,9 +129,7 @@ def copy_base_files(plan: MergePlan, *, workers: int = 2) -> CopyResult:
 @task(
     name="copy-components",
     task_run_name="copy-components",
-    retries=2,
-    retry_delay_seconds=1,
-    retry_condition_fn=retry_transient,
+    **RETRY_IO,
     cache_policy=NO_CACHE,
 )
 def copy_components(plan: MergePlan) -> CopyResult:

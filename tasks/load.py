@@ -12,7 +12,7 @@ from mergeflow.errors import InputChangedError
 from mergeflow.fsops import FileStamp, sha256_file
 from mergeflow.rank_files import describe_state
 from mergeflow.records import MergePlan, RankIndex
-from mergeflow.tasks.common import retry_transient
+from mergeflow.tasks.common import RETRY_IO
 from mergeflow.tasks.reconstruct import RankStates
 
 
@@ -52,9 +52,7 @@ def _rank_cache_key(context: Any, parameters: dict[str, Any]) -> str:
 @task(
     name="load-rank-shards",
     task_run_name="load-rank-{rank:05d}",
-    retries=2,
-    retry_delay_seconds=1,
-    retry_condition_fn=retry_transient,
+    **RETRY_IO,
     cache_key_fn=_rank_cache_key,
     persist_result=True,
 )
@@ -68,9 +66,7 @@ def load_rank_shards(plan: MergePlan, rank: int) -> RankIndex:
 @task(
     name="hash-rank-file",
     task_run_name="hash-rank-{rank:05d}",
-    retries=2,
-    retry_delay_seconds=1,
-    retry_condition_fn=retry_transient,
+    **RETRY_IO,
     cache_key_fn=_rank_cache_key,
     persist_result=True,
 )

@@ -24,7 +24,7 @@ from mergeflow.lora_plan import FULL_STATE, LoraPlan, LoraSpec, default_scaling,
 from mergeflow.manifest import MANIFEST_NAME, fingerprint
 from mergeflow.records import FileRecord, MergePlan, RankIndex, ShardPlan, ShardRecord, TensorWrite
 from mergeflow.safetensors_format import nbytes
-from mergeflow.tasks.common import retry_transient
+from mergeflow.tasks.common import RETRY_IO
 from mergeflow.tasks.lora_fuse import BASE_COPY, LORA_FUSE, base_model_source, checkpoint_source
 from mergeflow.tasks.reconstruct import RankStates, check_coverage, output_dtype
 from mergeflow.tasks.write import HEADER_METADATA, write_shard_file
@@ -236,8 +236,7 @@ def plan_lora_writes(plan: MergePlan, lora: LoraPlan, indexes: list[RankIndex]) 
     return lora_tensor_writes(plan, lora, indexes)
 
 
-@task(name="write-lora-adapter", task_run_name="write-lora-adapter", retries=2, retry_delay_seconds=1,
-      retry_condition_fn=retry_transient, cache_policy=NO_CACHE)
+@task(name="write-lora-adapter", task_run_name="write-lora-adapter", **RETRY_IO, cache_policy=NO_CACHE)
 def write_lora_adapter(plan: MergePlan, lora: LoraPlan, indexes: list[RankIndex],
                        rank_digests: dict[str, str]) -> AdapterExport:
     """Stream the selected adapter into lora_adapter/ with its PEFT (or Diffusers) config and manifest."""

@@ -23,7 +23,7 @@ from mergeflow.records import MergePlan, OutputPlan, ShardPlan, ShardRecord, Ten
 from mergeflow.streamio import BackgroundFlush, HashingWriter
 from mergeflow.safetensors_format import DTYPES, build_header, nbytes, read_header, torch_dtype
 from mergeflow.staging import file_stamp, staged_file_state, staging_id
-from mergeflow.tasks.common import retry_transient
+from mergeflow.tasks.common import RETRY_IO
 from mergeflow.tasks.lora_fuse import transformed_tensor, verify_transformed
 from mergeflow.tasks.readback import FollowingReadBack, read_exact
 from mergeflow.tasks.reconstruct import (
@@ -267,9 +267,7 @@ def _shard_cache_key(context: Any, parameters: dict[str, Any]) -> str:
 @task(
     name="write-shard",
     task_run_name="write-shard-{shard.index:05d}",
-    retries=2,
-    retry_delay_seconds=1,
-    retry_condition_fn=retry_transient,
+    **RETRY_IO,
     cache_key_fn=_shard_cache_key,
     persist_result=True,
 )
