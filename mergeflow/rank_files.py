@@ -5,18 +5,16 @@ from __future__ import annotations
 import logging
 import math
 import pickle
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from mergeflow import rank_pickle
 from mergeflow.errors import CheckpointError, ShardLayoutError, UnsafeCheckpointError
-
-# DTensor files unpickle through torch.distributed.tensor's registered safe globals.
-import torch.distributed.tensor  # noqa: F401  (import registers DTensor for weights_only loads)
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Replicate, Shard
+from mergeflow.rank_pickle import NotFastReadable, ShardedValue
 
 # Mesh dimensions that mean tensor/context/expert/pipeline parallelism: their shards are not
 # torch.chunk pieces of one global tensor along a single dimension.
@@ -28,7 +26,25 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def load_rank_state(path: Path, *, trust_checkpoint: bool = False) -> dict[str, Any]:
-    """Load a rank file with the safe loader (mmap, weights_only); full unpickling only if trusted."""
+    """Load a rank file safely (mmap); full unpickling only if trusted.
+
+    The closed fast reader (`rank_pickle`) reads standard DTensor files; anything it does not
+    know goes to torch's safe loader (weights_only), whose verdict and messages then apply.
+    """
+    try:
+        state = rank_pickle.read_rank_file(path)
+    except NotFastReadable:
+        state = _load_safe(path, trust_checkpoint)
+    for key in state:
+        if not isinstance(key, str):
+            raise CheckpointError(f"rank file {path.name} has a non-string key {key!r}")
+    return state
+
+
+def _load_safe(path: Path, trust_checkpoint: bool) -> dict[str, Any]:
+    """torch's own safe loader (mmap, weights_only); full unpickling only if trusted."""
+    import torch.distributed.tensor  # noqa: F401  (registers DTensor as a safe global for weights_only)
+
     logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)
     try:
         state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
@@ -45,9 +61,6 @@ def load_rank_state(path: Path, *, trust_checkpoint: bool = False) -> dict[str, 
         raise CheckpointError(f"rank file {path.name} is truncated or corrupt ({_first_line(exc)})") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"rank file {path.name} holds a {type(state).__name__}, not a state dict")
-    for key in state:
-        if not isinstance(key, str):
-            raise CheckpointError(f"rank file {path.name} has a non-string key {key!r}")
     return state
 
 
@@ -77,10 +90,12 @@ class TensorEntry:
 
 
 def _placement_code(placement: object, key: str, file_name: str) -> str:
-    # _StridedShard subclasses Shard, so only the exact types count as plain FSDP layouts.
-    if type(placement) is Shard:
-        return f"S{placement.dim}"
-    if type(placement) is Replicate:
+    # _StridedShard subclasses Shard, so only the exact types count as plain FSDP layouts;
+    # both the fast reader's records and torch's own classes (a file torch's loader read).
+    kind = type(placement)
+    if kind is rank_pickle.Shard or (kind.__name__ == "Shard" and kind.__module__ == _TORCH_PLACEMENTS):
+        return f"S{placement.dim}"  # type: ignore[attr-defined]
+    if kind is rank_pickle.Replicate or (kind.__name__ == "Replicate" and kind.__module__ == _TORCH_PLACEMENTS):
         return "R"
     raise ShardLayoutError(
         f"{key} in {file_name} has placement {placement!r}; only Shard(d) and Replicate() "
@@ -88,7 +103,18 @@ def _placement_code(placement: object, key: str, file_name: str) -> str:
     )
 
 
-def _mesh_shape(value: DTensor, key: str, file_name: str) -> tuple[int, ...]:
+_TORCH_PLACEMENTS = "torch.distributed.tensor.placement_types"
+
+
+def is_dtensor(value: Any) -> bool:
+    """A sharded value: the fast reader's record, or a real DTensor (only imported if one was loaded)."""
+    if isinstance(value, ShardedValue):
+        return True
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
+
+
+def _mesh_shape(value: Any, key: str, file_name: str) -> tuple[int, ...]:
     mesh = value.device_mesh
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     bad = [n for n in names if n and n.lower() in _NON_DATA_PARALLEL_DIMS]
@@ -112,7 +138,7 @@ def describe_state(state: dict[str, Any], file_name: str) -> dict[str, TensorEnt
     """Metadata of every tensor in a loaded rank file; refuses values that are not tensors."""
     entries: dict[str, TensorEntry] = {}
     for key, value in state.items():
-        if isinstance(value, DTensor):
+        if is_dtensor(value):
             placements = tuple(_placement_code(p, key, file_name) for p in value.placements)
             local = value.to_local()
             entries[key] = TensorEntry(
@@ -154,7 +180,7 @@ def _storage_id(tensor: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[
 
 def local_tensor(value: Any) -> torch.Tensor:
     """The rank-local data of a state-dict value (DTensor or plain)."""
-    return value.to_local() if isinstance(value, DTensor) else value
+    return value.to_local() if is_dtensor(value) else value
 
 
 def numel(shape: tuple[int, ...]) -> int:
