@@ -1,222 +1,155 @@
-"""Export benchmark: wall time and memory of a real merge, as a ratio to this machine's floor.
+"""Export benchmark: what a user waits for, as a ratio to this machine's floor in the same run.
 
-The floor is the cheapest thing any exporter must do with the same bytes: read them, write
-them, sha256 them, in one pass. The export runs the real Prefect merge flow in a child
-process (imports and Prefect start-up are measured separately), sampled for peak RSS and
-private (anonymous) memory. Every timed run is a full export (no Prefect cache hits) and
-has its own floor measured just before it. Machines here are shared and noisy: medians
-and ratios only.
+Every timed export is a whole `mergeflow merge` process, from process start to exit (imports,
+Prefect start-up and the exit included), against a Prefect server (the caller's
+PREFECT_API_URL, or one this script starts and stops). Each run is a full export (Prefect's
+cache is refreshed, so every rank file is parsed and hashed), has the floor measured right
+before it on the same bytes (read + write + sha256 in one pass, with fsync), and is sampled
+for peak private memory. The flow's task runs, as the server recorded them, say where the
+time went. Then `mergeflow test` of the result is timed. Machines here are shared and noisy:
+medians and ratios only; no result is compared with a fixed time.
 
-    python bench/merge_bench.py                    # ~1 GB, W=4, 3 repeats
-    python bench/merge_bench.py --sizes-gb 1 4     # private memory must stay flat
+    python bench/merge_bench.py                          # real depth: FLUX.1's 1,160 tensors, W=8, 5.3 GB
+    python bench/merge_bench.py --preset 1gb             # ~1 GB in 62 tensors, W=4
+    python bench/merge_bench.py --dtypes preserve        # only the preserving export
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import multiprocessing as mp
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
-BLOCK = 16 * 1024 * 1024
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from checkpoints import PRESETS, Preset, build_checkpoint  # noqa: E402
+from measure import floor_seconds, settle, status_kb  # noqa: E402
+from server import prefect_api  # noqa: E402
+from timeline import Span, flow_timeline, summarise  # noqa: E402
+
+@dataclass
+class Run:
+    floor_s: float
+    cli_s: float
+    flow_s: float
+    peak_private_kb: int
+    spans: list[Span] = field(default_factory=list)
+
+    @property
+    def ratio(self) -> float:
+        return self.cli_s / self.floor_s
 
 
-def floor_seconds(files: list[Path], out: Path) -> float:
-    """Read + write + sha256 of the same bytes in one pass."""
+def timed_command(argv: list[str], env: dict[str, str]) -> tuple[float, int]:
+    """(wall seconds from spawn to exit, peak private kB) of one command; it must succeed."""
+    peak = [0]
     start = time.perf_counter()
-    digest = hashlib.sha256()
-    buf = bytearray(BLOCK)
-    view = memoryview(buf)
-    with open(out, "wb", buffering=0) as dst:
-        for path in files:
-            with open(path, "rb", buffering=0) as src:
-                while n := src.readinto(buf):
-                    digest.update(view[:n])
-                    dst.write(view[:n])
-        os.fsync(dst.fileno())
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], status_kb(proc.pid)[1])
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    out, err = proc.communicate()
     elapsed = time.perf_counter() - start
-    out.unlink()
-    return elapsed
+    stop.set()
+    sampler.join()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv[:3])} failed ({proc.returncode}): {err.decode()[-2000:]}")
+    return elapsed, peak[0]
 
 
-def settle(seconds: float = 0.5) -> None:
-    """Let the last measurement's writeback and deletes land, and the Prefect server digest the
-    last run's events (it shares these cores), so neither shows up in the next measurement."""
-    os.sync()
-    time.sleep(seconds)
-    os.sync()
+def mergeflow_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "mergeflow", *args]
 
 
-def memory_kb(pid: int) -> tuple[int, int]:
-    """(RSS, anonymous = private heap) of a process, in kB.
-
-    /proc/PID/status keeps these as counters: reading it is O(1). smaps_rollup walks every
-    page table of the process, which with a gigabyte of mapped rank files costs real CPU on
-    a two-core machine and slowed the export it was measuring.
-    """
-    rss = anon = 0
-    try:
-        with open(f"/proc/{pid}/status") as fh:
-            for line in fh:
-                if line.startswith("VmRSS:"):
-                    rss = int(line.split()[1])
-                elif line.startswith("RssAnon:"):
-                    anon = int(line.split()[1])
-    except FileNotFoundError:
-        pass
-    return rss, anon
-
-
-def _child(conn, actor: str, base: str, targets: list[str], workers: int) -> None:  # type: ignore[no-untyped-def]
-    # Every timed run is a full export: no task result comes from Prefect's cache of an earlier run.
-    os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
-    start = time.perf_counter()
-    from mergeflow import ModelMergerConfig, merge_model
-
-    conn.send(("imported", time.perf_counter() - start))
-    for i, target in enumerate(targets):
-        conn.recv()  # the parent has recorded the baseline
-        t0 = time.perf_counter()
-        merge_model(ModelMergerConfig(local_dir=actor, base_model=base, target_dir=target,
-                                      output_format="transformer", workers=workers))
-        conn.send(("done", time.perf_counter() - t0, flow_run_seconds(f"merge-{Path(target).name}")))
-
-
-def flow_run_seconds(name: str) -> float:
-    """Running -> Completed of the latest flow run with this name, as Prefect recorded it.
-
-    The rest of the call is Prefect's own set-up and teardown: creating the flow run, and
-    at the end joining its heartbeat thread, which sleeps in whole seconds (Prefect's
-    default heartbeat is on, and mergeflow leaves it on for crash detection). That adds 0-1 s
-    to every run, whatever its size.
-    """
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
-    from prefect.client.schemas.sorting import FlowRunSort
-
-    with get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name])),
-                                     sort=FlowRunSort.START_TIME_DESC, limit=1)
-    return (runs[0].end_time - runs[0].start_time).total_seconds()
-
-
-def run_exports(actor: Path, base: Path, work: Path, repeats: int, workers: int,
-                floor: Callable[[], float]) -> dict[str, object]:
-    """Timed exports in one child process; the floor is re-measured right before each, so both
-    see the same machine state (these machines are shared: load drifts within a minute)."""
-    targets = [str(work / f"out-{i}") for i in range(repeats + 1)]  # run 0 warms Prefect and caches
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_child, args=(child, str(actor), str(base), targets, workers))
-    proc.start()
-    _, import_s = parent.recv()
-    times, flow_times, floors, peaks_rss, peaks_anon, baselines = [], [], [], [], [], []
-    for i, target in enumerate(targets):
-        if i > 0:
-            settle()
-            floors.append(floor())
+def bench_dtype(actor: Path, base: Path, work: Path, dtype: str, repeats: int, env: dict[str, str]) -> tuple[list[Run], list[float]]:
+    rank_files = sorted(actor.glob("model_world_size_*.pt"))
+    runs, test_times = [], []
+    for i in range(repeats + 1):  # run 0 warms the page cache and the server; it is not counted
+        target = work / f"out-{dtype}-{i}"
         settle()
-        rss0, anon0 = memory_kb(proc.pid)
-        peak = [rss0, anon0]
-        stop = threading.Event()
-
-        def sample() -> None:
-            while not stop.is_set():
-                rss, anon = memory_kb(proc.pid)
-                peak[0], peak[1] = max(peak[0], rss), max(peak[1], anon)
-                time.sleep(0.02)
-
-        sampler = threading.Thread(target=sample)
-        sampler.start()
-        parent.send("go")
-        _, seconds, in_flow = parent.recv()
-        stop.set()
-        sampler.join()
+        floor = floor_seconds(rank_files, work / "floor.bin")
+        settle()
+        cli_s, peak = timed_command(mergeflow_argv("merge", "--backend", "fsdp", "--local_dir", str(actor),
+                                                   "--base_model", str(base), "--target_dir", str(target),
+                                                   "--output_format", "transformer", "--dtype", dtype), env)
+        run, spans = flow_timeline(f"merge-{target.name}")
+        flow_s = (run.end_time - run.start_time).total_seconds()
+        if i > 0:
+            runs.append(Run(floor, cli_s, flow_s, peak, spans))
+            test_times.append(timed_command(mergeflow_argv("test", "--backend", "fsdp", "--test_hf_dir", str(target)), env)[0])
         shutil.rmtree(target)
-        if i == 0:
-            first = seconds
-            continue
-        times.append(seconds)
-        flow_times.append(in_flow)
-        peaks_rss.append(peak[0])
-        peaks_anon.append(peak[1])
-        baselines.append(anon0)
-    proc.join()
-    return {"import_s": import_s, "first_run_s": first, "times": times, "flow_times": flow_times, "floors": floors, "peak_rss_kb": max(peaks_rss),
-            "peak_anon_kb": max(peaks_anon), "anon_growth_kb": max(p - b for p, b in zip(peaks_anon, baselines)),
-            "anon_baselines_kb": baselines}
+    return runs, test_times
 
 
-def _build(conn, root: str, size_bytes: int, world: int) -> None:  # type: ignore[no-untyped-def]
-    from mergeflow.synthetic.checkpoints import build_sized_checkpoint
-
-    demo = build_sized_checkpoint(Path(root), size_bytes, world_size=world)
-    conn.send((str(demo.actor_dir), str(demo.base_dir)))
+def median_run(runs: list[Run]) -> Run:
+    return sorted(runs, key=lambda r: r.ratio)[len(runs) // 2]
 
 
-def build_checkpoint(root: Path, size_bytes: int, world: int) -> tuple[Path, Path]:
-    """Build in a child process: the model's heap goes with it instead of staying in this
-    process, where it would crowd the page cache that the floor and the exports write into."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_build, args=(child, str(root), size_bytes, world))
-    proc.start()
-    actor, base = parent.recv()
-    proc.join()
-    return Path(actor), Path(base)
-
-
-def bench_size(size_gb: float, world: int, repeats: int, workers: int, root: Path) -> dict[str, object]:
-    work = Path(tempfile.mkdtemp(prefix=f"bench-{size_gb}g-", dir=root))
-    t0 = time.perf_counter()
-    actor_dir, base_dir = build_checkpoint(work / "ckpt", int(size_gb * 1e9), world)
-    build_s = time.perf_counter() - t0
-    rank_files = sorted(actor_dir.glob("model_world_size_*.pt"))
-    nbytes = sum(p.stat().st_size for p in rank_files)
-    result = run_exports(actor_dir, base_dir, work, repeats, workers,
-                         lambda: floor_seconds(rank_files, work / "floor.bin"))
-    shutil.rmtree(work)
-    export = statistics.median(result["times"])  # type: ignore[arg-type]
-    in_flow = statistics.median(result["flow_times"])  # type: ignore[arg-type]
-    floor = statistics.median(result["floors"])  # type: ignore[arg-type]
-    return {"size_gb": size_gb, "bytes": nbytes, "build_s": build_s, "floor_s": floor, "export_s": export,
-            "ratio": export / floor, "flow_s": in_flow, "flow_ratio": in_flow / floor, **result}
+def report(preset: Preset, nbytes: int, tensors: int, dtype: str, runs: list[Run], test_times: list[float]) -> None:
+    mid = median_run(runs)
+    print(f"\n{preset.name} ({tensors} tensors, W={preset.world_size}, {nbytes / 1e9:.2f} GB of rank files), --dtype {dtype}")
+    print(f"  floor_s {statistics.median(r.floor_s for r in runs):.2f}  cli_s {statistics.median(r.cli_s for r in runs):.2f}  "
+          f"ratio {statistics.median(r.ratio for r in runs):.2f}  (runs: "
+          + ", ".join(f"{r.cli_s:.1f}/{r.floor_s:.1f}" for r in runs) + ")")
+    print(f"  in flow {statistics.median(r.flow_s for r in runs):.2f} s, outside the flow (imports, start-up, exit) "
+          f"{statistics.median(r.cli_s - r.flow_s for r in runs):.2f} s; peak private "
+          f"{max(r.peak_private_kb for r in runs) / 1024:.0f} MiB; write throughput "
+          f"{nbytes / statistics.median(r.cli_s for r in runs) / 1e6:.0f} MB/s (rank bytes / cli_s)")
+    print(f"  mergeflow test of the artifact: {statistics.median(test_times):.2f} s (median of {len(test_times)})")
+    print(f"  task runs of the median run (ratio {mid.ratio:.2f}), seconds from the flow run's start:")
+    print(f"    {'step':<22} {'runs':>4} {'from':>7} {'to':>7} {'task_s':>7}")
+    for step, count, first, last, summed in summarise(mid.spans):
+        print(f"    {step:<22} {count:>4} {first:>7.2f} {last:>7.2f} {summed:>7.2f}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes-gb", type=float, nargs="+", default=[1.0])
-    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="real-depth")
+    parser.add_argument("--dtypes", nargs="+", default=["preserve", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--root", default=tempfile.gettempdir())
+    parser.add_argument("--keep", action="store_true", help="keep the built checkpoint (and print where)")
     args = parser.parse_args()
-    if not os.environ.get("PREFECT_API_URL"):
-        print("note: PREFECT_API_URL is unset; each child starts a temporary Prefect server "
-              "(counted in first_run_s, not in export_s)", file=sys.stderr)
-    rows = [bench_size(s, args.world_size, args.repeats, args.workers, Path(args.root)) for s in args.sizes_gb]
-    print(f"{'size':>6} {'bytes':>13} {'floor_s':>8} {'export_s':>9} {'ratio':>6} {'flow_s':>7} {'flow_ratio':>10} "
-          f"{'import_s':>8} {'first_s':>8} {'peakRSS_MB':>10} {'peakPriv_MB':>11} {'privGrowth_MB':>13}")
-    for r in rows:
-        print(f"{r['size_gb']:>5}G {r['bytes']:>13} {r['floor_s']:>8.2f} {r['export_s']:>9.2f} {r['ratio']:>6.2f} "
-              f"{r['flow_s']:>7.2f} {r['flow_ratio']:>10.2f} {r['import_s']:>8.2f} {r['first_run_s']:>8.2f} "
-              f"{r['peak_rss_kb'] / 1024:>10.0f} {r['peak_anon_kb'] / 1024:>11.0f} {r['anon_growth_kb'] / 1024:>13.0f}")
-    for r in rows:
-        print(f"at {r['size_gb']}G: export (s) {', '.join(f'{t:.2f}' for t in r['times'])}; "
-              f"in flow (s) {', '.join(f'{t:.2f}' for t in r['flow_times'])}; "
-              f"floor (s) {', '.join(f'{t:.2f}' for t in r['floors'])}; "
-              f"private memory before each run (MB) {', '.join(f'{b / 1024:.0f}' for b in r['anon_baselines_kb'])}")
-    print("export_s: the merge_model call; flow_s: the flow run from Running to Completed as Prefect records it "
-          "(without flow-run creation and the heartbeat-thread join at exit, 0-1 s)")
+    preset = PRESETS[args.preset]
+    work = Path(tempfile.mkdtemp(prefix=f"bench-{preset.name}-", dir=args.root))
+    try:
+        actor, base = build_checkpoint(work / "ckpt", preset)
+        nbytes = sum(p.stat().st_size for p in actor.glob("model_world_size_*.pt"))
+        with prefect_api() as api_env:
+            os.environ.update(api_env)  # this process reads the task runs from the same server
+            env = dict(os.environ, PREFECT_TASKS_REFRESH_CACHE="true", HF_HUB_OFFLINE="1")
+            tensors = _tensor_count(base)
+            for dtype in args.dtypes:
+                runs, test_times = bench_dtype(actor, base, work, dtype, args.repeats, env)
+                report(preset, nbytes, tensors, dtype, runs, test_times)
+        print("\ncli_s: the whole `mergeflow merge` process; floor: read + write + sha256 (fsync) of the rank files in one "
+              "pass, measured right before each run; ratio: median of per-run cli_s / floor")
+    finally:
+        if args.keep:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+def _tensor_count(base: Path) -> int:
+    from mergeflow.safetensors_format import read_header
+
+    return sum(len(read_header(p)[0]) for p in base.glob("*.safetensors"))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ import json
 import os
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from mergeflow.config import DEFAULT_MAX_SHARD_SIZE, ModelMergerConfig
@@ -88,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(demo, "--workdir", help="where to build it (default: a new temp dir)")
     _flag(demo, "--debug", action="store_true")
     add_ops_commands(sub)
+
+    server = sub.add_parser("server", help="the background local Prefect server that commands use without PREFECT_API_URL")
+    _flag(server, "action", choices=["status", "start", "stop"])
+    _flag(server, "--debug", action="store_true")
     return parser
 
 
@@ -107,23 +112,53 @@ def _quiet_prefect(debug: bool) -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 
+@contextmanager
+def _running_flows() -> Iterator[None]:
+    """Around every command that runs a flow: a Prefect API to run against, and each run's UI link."""
+    from mergeflow.flows.local_server import ensure_local_server
+
+    ensure_local_server()  # first: it may set PREFECT_API_URL, which Prefect reads when imported
+    from mergeflow.flows.progress import flow_run_links
+
+    with flow_run_links():
+        yield
+
+
 def cmd_merge(args: argparse.Namespace) -> dict[str, Any]:
-    from mergeflow.flows.api import merge_model
-    from mergeflow.flows.progress import stderr_progress
+    from mergeflow.preflight import preflight_merge
 
     config = _config_from(args, "merge")
-    with stderr_progress():
-        result = merge_model(config, task_runner=args.task_runner, dask_address=args.dask_address)
+    preflight_merge(config)  # refusals that need no tensor data answer before any server or Prefect import
+    _start_rank_digests(config)
+    with _running_flows():
+        from mergeflow.flows.api import merge_model
+        from mergeflow.flows.progress import stderr_progress
+
+        with stderr_progress():
+            result = merge_model(config, task_runner=args.task_runner, dask_address=args.dask_address)
     out: dict[str, Any] = {"output_dir": result.output_dir, "manifest_path": result.manifest_path}
     if result.upload is not None:
         out["upload"] = result.upload
     return out
 
 
-def cmd_test(args: argparse.Namespace) -> dict[str, Any]:
-    from mergeflow.flows.api import validate_artifact
+def _start_rank_digests(config: ModelMergerConfig) -> None:
+    """Start hashing the rank files for the manifest now, on the core that imports leave idle."""
+    from pathlib import Path
 
-    return validate_artifact(args.test_hf_dir)
+    from mergeflow.checkpoint import rank_file_names, read_fsdp_config
+    from mergeflow.prefetch import DigestPrefetch
+
+    actor = Path(config.local_dir or "").expanduser().resolve()
+    DigestPrefetch.start([actor / name for name in rank_file_names(actor, read_fsdp_config(actor).world_size)])
+
+
+def cmd_test(args: argparse.Namespace) -> dict[str, Any]:
+    # In-process, without Prefect or torch: starting Prefect (let alone a temporary server) would
+    # cost many times the checks. The validate flow (UI reruns, the API) runs this same function.
+    from mergeflow.artifact_check import check_artifact
+
+    return check_artifact(args.test_hf_dir)
 
 
 def cmd_inspect(args: argparse.Namespace) -> dict[str, Any]:
@@ -135,21 +170,35 @@ def cmd_inspect(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_upload(args: argparse.Namespace) -> dict[str, Any]:
-    from mergeflow.flows.upload import upload_flow
+    with _running_flows():
+        from mergeflow.flows.upload import upload_flow
 
-    return upload_flow(test_hf_dir=args.test_hf_dir, hf_upload_path=args.hf_upload_path, private=args.private)
+        return upload_flow(test_hf_dir=args.test_hf_dir, hf_upload_path=args.hf_upload_path, private=args.private)
 
 
 def cmd_verify_upload(args: argparse.Namespace) -> dict[str, Any]:
-    from mergeflow.flows.upload import verify_upload_flow
+    with _running_flows():
+        from mergeflow.flows.upload import verify_upload_flow
 
-    return verify_upload_flow(test_hf_dir=args.test_hf_dir, hf_upload_path=args.hf_upload_path, revision=args.revision)
+        return verify_upload_flow(test_hf_dir=args.test_hf_dir, hf_upload_path=args.hf_upload_path, revision=args.revision)
 
 
 def cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
-    from mergeflow.flows.demo import run_demo
+    with _running_flows():
+        from mergeflow.flows.demo import run_demo
 
-    return run_demo(args.workdir)
+        return run_demo(args.workdir)
+
+
+def cmd_server(args: argparse.Namespace) -> dict[str, Any]:
+    from mergeflow.flows import local_server
+
+    if args.action == "start":  # explicit: started even where commands would use another API
+        _, started = local_server.start_local_server()
+        return {**local_server.server_status(), "started": started}
+    if args.action == "stop":
+        return local_server.stop_local_server()
+    return local_server.server_status()
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
@@ -159,6 +208,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "demo": cmd_demo,
     "upload": cmd_upload,
     "verify-upload": cmd_verify_upload,
+    "server": cmd_server,
     **OPS_COMMANDS,
 }
 

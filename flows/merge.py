@@ -17,6 +17,7 @@ from mergeflow.errors import MergeflowError, UploadError
 from mergeflow.fsops import TargetLock
 from mergeflow.lora_artifact import ADAPTER_DIR
 from mergeflow.paths import check_target
+from mergeflow.prefetch import DigestPrefetch
 from mergeflow.records import MergePlan, ShardRecord
 from mergeflow.tasks.copy import copy_components
 from mergeflow.tasks.inspect import inspect_inputs
@@ -123,7 +124,9 @@ def merge_flow(config: ModelMergerConfig) -> dict[str, Any]:
         finally:
             lock.release()
     finally:
-        RankStates.forget(Path(config.local_dir or "").expanduser().resolve())
+        actor_dir = Path(config.local_dir or "").expanduser().resolve()
+        RankStates.forget(actor_dir)
+        DigestPrefetch.forget(actor_dir)
     publish_manifest_artifacts(plan, manifest, result["output_dir"])
     if config.hf_upload_path:
         result["upload"] = upload_published(result["output_dir"], config.hf_upload_path, config.private)

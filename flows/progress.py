@@ -1,7 +1,8 @@
-"""A progress line on stderr (bytes and tensors written) for the command line."""
+"""What the command line shows on stderr while flows run: each flow run's UI link, a progress line."""
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import time
@@ -52,3 +53,46 @@ def stderr_progress() -> Iterator[StderrProgress]:
     finally:
         PROGRESS_HOOKS.remove(bar)
         bar.finish()
+
+
+class FlowRunLinks(logging.Handler):
+    """Prints `mergeflow: flow run NAME: URL` once per flow run, at the run's first log record.
+
+    Prefect's engine logs "Beginning flow run" on the flow-run logger as soon as the run
+    exists on the server; the CLI silences Prefect's console handler, so the link is printed
+    here instead. Nothing is printed when the API has no UI (Prefect's temporary server).
+    """
+
+    def __init__(self, stream=sys.stderr) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(level=logging.DEBUG)
+        self.stream = stream
+        self.seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        run_id = getattr(record, "flow_run_id", None)
+        if run_id is None:
+            return
+        with self._lock:
+            if str(run_id) in self.seen:
+                return
+            self.seen.add(str(run_id))
+        from prefect.utilities.urls import url_for
+
+        url = url_for("flow-run", obj_id=str(run_id))
+        if url:
+            name = getattr(record, "flow_run_name", None) or run_id
+            self.stream.write(f"mergeflow: flow run {name}: {url}\n")
+            self.stream.flush()
+
+
+@contextmanager
+def flow_run_links() -> Iterator[FlowRunLinks]:
+    """Show the UI link of every flow run started in this process while the block runs."""
+    handler = FlowRunLinks()
+    logger = logging.getLogger("prefect.flow_runs")  # configured when prefect was imported (above)
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)

@@ -8,7 +8,7 @@ from typing import Any
 from prefect import flow
 from prefect.runtime import flow_run
 
-from mergeflow.staging import artifact_root
+from mergeflow.artifact_check import artifact_to_check
 from mergeflow.tasks.validate import validate_artifact_task
 
 
@@ -20,6 +20,7 @@ def validate_run_name() -> str:
 @flow(name="mergeflow-validate", flow_run_name=validate_run_name)
 def validate_flow(test_hf_dir: str) -> dict[str, Any]:
     """Validate an artifact (or a failed merge's staging dir) without its source: manifest, tree, hashes, weights."""
-    # A failed merge's kept staging directory validates as the artifact staged inside it.
-    summary = validate_artifact_task(str(artifact_root(Path(test_hf_dir).expanduser().resolve())))
+    # The same checks `mergeflow test` runs in-process; a failed merge's kept staging dir
+    # validates as the artifact staged inside it.
+    summary = validate_artifact_task(str(artifact_to_check(test_hf_dir)))
     return {"integrity": "passed", "architecture": summary["architecture"]}

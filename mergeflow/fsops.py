@@ -14,7 +14,9 @@ from pathlib import Path
 
 from mergeflow.errors import ConcurrentExportError, PathSafetyError, TargetExistsError
 
-HASH_BLOCK = 8 * 1024 * 1024
+# Measured on 2 cores: a 1 MiB buffer (it stays in L2 between read and hash) hashes a few percent
+# faster than 8 MiB, and each update still releases the GIL, so threads hash files in parallel.
+HASH_BLOCK = 1024 * 1024
 RENAME_NOREPLACE = 1
 _AT_FDCWD = -100
 
@@ -23,6 +25,10 @@ def sha256_file(path: Path, block: int = HASH_BLOCK) -> str:
     """sha256 of a file, read in large blocks (hashlib releases the GIL on big updates)."""
     digest = hashlib.sha256()
     with open(path, "rb", buffering=0) as handle:
+        if os.fstat(handle.fileno()).st_size < block:  # configs, tokenizers: one read, no zeroed buffer
+            digest.update(handle.readall())
+            return digest.hexdigest()
+        os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)  # larger read-ahead when not cached
         buffer = bytearray(block)
         view = memoryview(buffer)
         while True:

@@ -32,7 +32,6 @@ from mergeflow.errors import BaseModelError, UsageError, ValidationError
 from mergeflow.jsonfiles import read_json_strict
 from mergeflow.manifest import MANIFEST_NAME
 from mergeflow.paths import check_relative_name
-from mergeflow.schema import base_weight_headers
 
 # Tool state beside a model, not part of it (`hf download --local-dir` writes .cache/huggingface).
 SKIPPED_TOP_DIRS = {".cache": "download tool state", ".git": "version-control metadata"}
@@ -105,6 +104,8 @@ def _check_model(base_dir: Path, name: str, library: str, class_name: str, spec:
     named = config.get("_class_name")
     if library != "transformers" and named is not None and named != class_name:
         raise BaseModelError(f"{name}/config.json names {named!r}, but the base index declares {class_name!r}")
+    from mergeflow.schema import base_weight_headers  # imports torch; `test` checks artifacts without it
+
     base_weight_headers(base_dir / name, weights_name=weights_name_for(spec, library))
 
 

@@ -7,10 +7,12 @@ import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from mergeflow.errors import ValidationError
+
+if TYPE_CHECKING:  # torch only where tensors are made: `mergeflow test` reads headers without it
+    import torch
 
 # torch dtype name <-> safetensors dtype tag, with the element size in bytes.
 DTYPES: dict[str, tuple[str, int]] = {
@@ -36,6 +38,8 @@ MAX_HEADER = 100 * 1024 * 1024
 
 
 def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
     return getattr(torch, name)
 
 

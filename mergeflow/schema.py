@@ -22,10 +22,55 @@ def diffusers_model_class(class_name: str) -> type:
     import diffusers
     from diffusers import ModelMixin
 
-    cls = getattr(diffusers, class_name, None)
+    cls = _import_model_module_alone(class_name) or getattr(diffusers, class_name, None)
     if not (isinstance(cls, type) and issubclass(cls, ModelMixin)):
         raise BaseModelError(f"unknown model class {class_name!r}: it is not a Diffusers model class in diffusers {diffusers.__version__}")
     return cls
+
+
+def _import_model_module_alone(class_name: str) -> type | None:
+    """Import only the module that defines a Diffusers model class, or return None.
+
+    `diffusers.models.transformers/__init__.py` eagerly imports all ~70 transformer modules
+    (1.2 s of a CLI run) although an export needs one. Its package is stood in for while the one
+    module is imported, then removed again: a later normal import runs the real `__init__`,
+    which finds that module already imported, so every name keeps a single class object.
+    Anything unexpected returns None and the normal (eager) import is used.
+    """
+    import importlib
+    import importlib.util
+    import sys
+    import types
+
+    import diffusers.models
+
+    relative = vars(diffusers.models).get("_class_to_module", {}).get(class_name)
+    if not isinstance(relative, str) or relative.count(".") != 1:
+        return None
+    package_name = f"diffusers.models.{relative.split('.')[0]}"
+    module_name = f"diffusers.models.{relative}"
+    if module_name in sys.modules or package_name in sys.modules:
+        return getattr(sys.modules.get(module_name), class_name, None)
+    spec = importlib.util.find_spec(package_name)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    stand_in = types.ModuleType(package_name)
+    stand_in.__path__ = list(spec.submodule_search_locations)
+    stand_in.__spec__ = spec
+    stand_in.__package__ = package_name
+    sys.modules[package_name] = stand_in
+    try:
+        module = importlib.import_module(module_name)
+    except Exception:
+        sys.modules.pop(module_name, None)
+        return None
+    finally:
+        if sys.modules.get(package_name) is stand_in:
+            del sys.modules[package_name]
+        if vars(diffusers.models).get(relative.split(".")[0]) is stand_in:  # vars: no lazy import
+            delattr(diffusers.models, relative.split(".")[0])
+    cls = getattr(module, class_name, None)
+    return cls if isinstance(cls, type) else None
 
 
 def meta_model(cls: type, config: dict[str, Any]) -> torch.nn.Module:
@@ -60,6 +105,106 @@ def config_differences(cls: type, actor: torch.nn.Module, base: torch.nn.Module)
         if a != b:
             diffs.append(f"{name}: checkpoint {a!r} vs base {b!r}")
     return diffs
+
+
+@dataclass(frozen=True)
+class ModelSchema:
+    """What a Diffusers class builds from a config: its constructor fields (defaults filled in),
+    the meta module's state_dict() shapes and the modules kept in float32."""
+
+    class_name: str
+    fields: dict[str, Any]
+    tensors: dict[str, tuple[int, ...]]
+    keep_fp32: tuple[str, ...]
+
+    def differences(self, other: "ModelSchema") -> list[str]:
+        """Constructor fields on which two schemas disagree, as `name: checkpoint X vs base Y`."""
+        names = sorted(set(self.fields) | set(other.fields))
+        return [f"{n}: checkpoint {self.fields.get(n)!r} vs base {other.fields.get(n)!r}"
+                for n in names if self.fields.get(n) != other.fields.get(n)]
+
+
+SCHEMA_CACHE_VERSION = 1
+
+
+def model_schema(class_name: str, config: dict[str, Any]) -> ModelSchema:
+    """The schema `class_name` builds from `config` on the meta device, remembered on disk.
+
+    Instantiating the class is cheap; importing Diffusers to get at it costs 2-3 s of every
+    command. The result is a pure function of the class, the config and the installed
+    diffusers and torch, which together key a small JSON file in the user's cache
+    (MERGEFLOW_CACHE_DIR, else $XDG_CACHE_HOME/mergeflow), so the exports of one base skip the
+    import after the first. A missing, damaged or foreign cache entry is simply rebuilt;
+    MERGEFLOW_SCHEMA_CACHE=0 turns the cache off.
+    """
+    path = _schema_cache_path(class_name, config)
+    cached = _read_schema(path, class_name) if path is not None else None
+    if cached is not None:
+        return cached
+    cls = diffusers_model_class(class_name)
+    model = meta_model(cls, config)
+    schema = ModelSchema(
+        class_name=class_name,
+        fields={name: _normal(model.config.get(name)) for name in constructor_fields(cls)},
+        tensors={k: tuple(v.shape) for k, v in model.state_dict().items()},
+        keep_fp32=keep_in_fp32_modules(cls),
+    )
+    if path is not None:
+        _write_schema(path, schema)
+    return schema
+
+
+def _schema_cache_path(class_name: str, config: dict[str, Any]) -> Path | None:
+    import hashlib
+    import json
+    import os
+    from importlib.metadata import PackageNotFoundError, version
+
+    if os.environ.get("MERGEFLOW_SCHEMA_CACHE", "1").lower() in ("0", "off", "false", "no"):
+        return None
+    try:
+        versions = {name: version(name) for name in ("diffusers", "torch")}
+        raw = json.dumps({"v": SCHEMA_CACHE_VERSION, "class": class_name, "config": config, **versions},
+                         sort_keys=True, allow_nan=False)
+    except (PackageNotFoundError, TypeError, ValueError):
+        return None
+    root = os.environ.get("MERGEFLOW_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mergeflow")
+    return Path(root) / "schemas" / f"{hashlib.sha256(raw.encode()).hexdigest()}.json"
+
+
+def _read_schema(path: Path, class_name: str) -> ModelSchema | None:
+    import json
+
+    try:
+        data = json.loads(path.read_text())
+        schema = ModelSchema(
+            class_name=data["class_name"],
+            fields=dict(data["fields"]),
+            tensors={str(k): tuple(int(d) for d in v) for k, v in data["tensors"].items()},
+            keep_fp32=tuple(str(m) for m in data["keep_fp32"]),
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return schema if schema.class_name == class_name and schema.tensors else None
+
+
+def _write_schema(path: Path, schema: ModelSchema) -> None:
+    import json
+    import os
+
+    data = {"class_name": schema.class_name, "fields": schema.fields,
+            "tensors": {k: list(v) for k, v in schema.tensors.items()}, "keep_fp32": list(schema.keep_fp32)}
+    try:
+        text = json.dumps(data, sort_keys=True, allow_nan=False)
+        if json.loads(text)["fields"] != schema.fields:
+            return  # a field JSON cannot hold exactly (e.g. int dict keys): never cache an approximation
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(text)
+        os.replace(tmp, path)  # readers see the old file or the whole new one
+    except (OSError, TypeError, ValueError):
+        pass  # the cache is an optimisation: a read-only or full cache dir costs the import, nothing else
 
 
 @dataclass(frozen=True)

@@ -8,44 +8,19 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from mergeflow.architectures import BaseLayout, detect_base
+from mergeflow.architectures import detect_base
 from mergeflow.checkpoint import FSDP_CONFIG, LORA_META, read_fsdp_config, rank_file_names
 from mergeflow.config import ModelMergerConfig
-from mergeflow.errors import CheckpointError, UsageError
+from mergeflow.errors import CheckpointError
 from mergeflow.fsops import FileStamp, sha256_file
 from mergeflow.manifest import fingerprint
-from mergeflow.paths import check_no_overlap, check_target, lock_path_for, staging_dir_for
+from mergeflow.prefetch import DigestPrefetch
+from mergeflow.paths import lock_path_for, staging_dir_for
+from mergeflow.preflight import check_output_format, resolve_inputs
 from mergeflow.records import MergePlan
 from mergeflow.schema import read_model_config
 from mergeflow.tasks.lora_inspect import detect_lora, finish_lora_spec, inspect_adapter_export
 from mergeflow.tasks.targets import pipeline_target, transformer_target
-
-
-def resolve_inputs(config: ModelMergerConfig) -> dict[str, Path]:
-    """Absolute input/output paths, checked for existence and overlap."""
-    actor = Path(config.local_dir or "").expanduser().resolve()
-    cfg_dir = Path(config.hf_model_config_path or actor / "huggingface").expanduser().resolve()
-    base = Path(config.base_model or "").expanduser()
-    if not base.exists():
-        raise UsageError(
-            f"--base_model {config.base_model} is not a local directory; download the base first "
-            "(e.g. `hf download ORG/REPO --local-dir DIR`) and pass that directory"
-        )
-    base = base.resolve()
-    target = check_target(Path(config.target_dir or ""))
-    if not actor.is_dir():
-        raise CheckpointError(f"--local_dir {actor} is not a directory")
-    check_no_overlap({"--local_dir": actor, "--base_model": base, "--target_dir": target})
-    check_no_overlap({"--hf_model_config_path": cfg_dir, "--target_dir": target})
-    check_no_overlap({"--hf_model_config_path": cfg_dir, "--base_model": base})
-    return {"actor": actor, "config_dir": cfg_dir, "base": base, "target": target}
-
-
-def check_output_format(config: ModelMergerConfig, layout: BaseLayout) -> None:
-    """Pipeline output needs a pipeline base; say so before any work."""
-    if config.output_format == "pipeline" and layout.kind != "pipeline":
-        raise UsageError("--output_format pipeline needs a base pipeline (a directory with model_index.json); "
-                         "use --output_format transformer for a standalone transformer base")
 
 
 def inspect_merge(config: ModelMergerConfig) -> MergePlan:
@@ -58,6 +33,8 @@ def inspect_merge(config: ModelMergerConfig) -> MergePlan:
     actor, base, target = paths["actor"], paths["base"], paths["target"]
     fsdp = read_fsdp_config(actor)
     rank_files = rank_file_names(actor, fsdp.world_size)
+    # The manifest's rank-file digests: hashed on the idle core while the schema is built.
+    DigestPrefetch.start([actor / name for name in rank_files])
     layout = detect_base(base, config.component)
     check_output_format(config, layout)
     actor_config_path = paths["config_dir"] / "config.json"

@@ -10,6 +10,7 @@ from prefect import task
 
 from mergeflow.errors import InputChangedError
 from mergeflow.fsops import FileStamp, sha256_file
+from mergeflow.prefetch import DigestPrefetch
 from mergeflow.rank_files import describe_state
 from mergeflow.records import MergePlan, RankIndex
 from mergeflow.tasks.common import RETRY_IO
@@ -34,7 +35,8 @@ def hash_rank_file(actor_dir: Path, file_name: str, planned: FileStamp | None = 
     before = FileStamp.of(path)
     if planned is not None and before != planned:
         raise InputChangedError(f"rank file {file_name} changed during the export (after it was planned); rerun once it is stable")
-    digest = sha256_file(path)
+    # Usually hashed in the background since inspection, for this very stamp (mergeflow.prefetch).
+    digest = DigestPrefetch.take(path, before) or sha256_file(path)
     if FileStamp.of(path) != before:
         raise InputChangedError(f"rank file {file_name} changed during the export, while it was hashed; "
                                 "wait until training has finished saving")

@@ -22,7 +22,7 @@ from mergeflow.lora_plan import FULL_STATE, LORA_ONLY, LoraSpec, base_model_refe
 from mergeflow.manifest import fingerprint
 from mergeflow.paths import check_no_overlap, check_target, lock_path_for, staging_dir_for
 from mergeflow.records import MergePlan
-from mergeflow.schema import diffusers_model_class, expected_tensors, keep_in_fp32_modules, meta_model, read_model_config
+from mergeflow.schema import model_schema, read_model_config
 from mergeflow.tasks.reconstruct import RankStates
 
 # The native MiniMax H3 package (SPEC section 3) renames and fuses the Diffusers modules (qkv_proj),
@@ -234,7 +234,7 @@ def inspect_adapter_export(config: ModelMergerConfig, spec: LoraSpec) -> MergePl
         _refuse_native_adapter(base, layout, spec)
         base_config_path = layout.transformer_dir / "config.json"
         base_config = read_model_config(base_config_path, BaseModelError, f"{base_config_path.relative_to(base)} of the base")
-        cls, expected = diffusers_schema(actor_config, base_config)
+        schema = diffusers_schema(actor_config, base_config)
         base_files[base_config_path.relative_to(base).as_posix()] = sha256_file(base_config_path)
         reference = base_model_reference(config.base_model or "", base.name, _recorded_name(base, layout))
         base_kind, base_dir, component_dir = layout.kind, str(base), str(layout.transformer_dir)
@@ -243,8 +243,7 @@ def inspect_adapter_export(config: ModelMergerConfig, spec: LoraSpec) -> MergePl
         class_name = actor_config.get("_class_name")
         if not isinstance(class_name, str):
             raise CheckpointError("huggingface/config.json of the checkpoint has no _class_name")
-        cls = diffusers_model_class(class_name)
-        expected = {k: v.shape for k, v in expected_tensors(meta_model(cls, actor_config)).items()}
+        schema = model_schema(class_name, actor_config)
         base_kind, base_dir, component_dir = "hub", "", ""
     inputs = [actor / FSDP_CONFIG, actor_config_path] + [actor / n for n in rank_files]
     inputs += lora_input_files(config, actor)
@@ -264,15 +263,15 @@ def inspect_adapter_export(config: ModelMergerConfig, spec: LoraSpec) -> MergePl
         fsdp_version=fsdp.version,
         rank_files=tuple(rank_files),
         base_kind=base_kind,
-        architecture=cls.__name__,
-        transformer_class=cls.__name__,
+        architecture=schema.class_name,
+        transformer_class=schema.class_name,
         component=config.component,
         base_component_dir=component_dir,
         tensor_directory=".",
         artifact_type="peft_adapter",
         weights_name=adapter_weights_name(spec.adapter_format),
-        expected_shapes=expected,
-        keep_fp32=keep_in_fp32_modules(cls),
+        expected_shapes=schema.tensors,
+        keep_fp32=schema.keep_fp32,
         input_stamps=stamps,
         source_config_sha256=sha256_file(actor_config_path),
         base_files=base_files,

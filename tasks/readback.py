@@ -14,6 +14,7 @@ from mergeflow.records import TensorWrite
 from mergeflow.tasks.reconstruct import RankStates, all_finite, primary_chunks, same_bytes
 
 BLOCK = 16 * 1024 * 1024
+RETAINED_BYTES = 64 * 1024 * 1024  # per writer; the read-back only needs to trail the writer a little
 _DONE = None
 
 
@@ -33,18 +34,32 @@ class FollowingReadBack:
         self.entries = entries
         self.states = states
         self.checked = 0
-        self._queue: queue.Queue[TensorWrite | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[TensorWrite, list[torch.Tensor] | None] | None] = queue.Queue()
+        # Cast pieces stay alive until compared: at most RETAINED_BYTES of them (or one tensor) wait.
+        self._retained = 0
+        self._room = threading.Condition()
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._handle = open(path, "rb", buffering=0)
         self._thread = threading.Thread(target=self._run, name="read-back", daemon=True)
         self._thread.start()
 
-    def submit(self, tw: TensorWrite) -> None:
-        """Queue a tensor whose bytes are fully written; raises early if an earlier one failed."""
+    def submit(self, tw: TensorWrite, written: list[torch.Tensor] | None = None) -> None:
+        """Queue a tensor whose bytes are fully written; raises early if an earlier one failed.
+
+        `written`: the pieces a cast produced (each a rank shard cast on its own, in rank order),
+        compared with the file instead of the rank shards; their finiteness was checked at the cast.
+        """
         if self._error is not None:
             raise self._error
-        self._queue.put(tw)
+        nbytes = _nbytes(written)
+        with self._room:
+            while self._retained and self._retained + nbytes > RETAINED_BYTES:
+                if self._error is not None or not self._thread.is_alive():
+                    raise self._error or CheckpointError(f"{self.path.name}: the read-back stopped")
+                self._room.wait(timeout=0.5)
+            self._retained += nbytes
+        self._queue.put((tw, written))
 
     def finish(self) -> int:
         """Wait until every queued tensor is compared; returns how many were, raises the first failure."""
@@ -67,12 +82,23 @@ class FollowingReadBack:
     def _run(self) -> None:
         buffer = bytearray(BLOCK)
         try:
-            while (tw := self._queue.get()) is not _DONE and not self._stop.is_set():
-                compare_tensor(self._handle, buffer, self.data_start + self.entries[tw.name].begin, tw, self.states,
-                               self.path.name)
+            while (item := self._queue.get()) is not _DONE and not self._stop.is_set():
+                tw, written = item
+                offset = self.data_start + self.entries[tw.name].begin
+                if written is None:
+                    compare_tensor(self._handle, buffer, offset, tw, self.states, self.path.name)
+                else:
+                    compare_pieces(self._handle, buffer, offset, tw, written, self.path.name)
+                    with self._room:
+                        self._retained -= _nbytes(written)
+                        self._room.notify_all()
                 self.checked += 1
         except BaseException as exc:  # handed to the writer's thread by submit()/finish()
             self._error = exc
+
+
+def _nbytes(pieces: list[torch.Tensor] | None) -> int:
+    return sum(p.numel() * p.element_size() for p in pieces) if pieces else 0
 
 
 def compare_tensor(handle: Any, buffer: bytearray, offset: int, tw: TensorWrite, states: RankStates, file_name: str) -> None:
@@ -89,6 +115,20 @@ def compare_tensor(handle: Any, buffer: bytearray, offset: int, tw: TensorWrite,
                 raise CheckpointError(f"{tw.name}: round trip failed, shard {index} differs from the written bytes")
             if local.is_floating_point() and not all_finite(expected.view(local.dtype)):
                 raise CheckpointError(f"{tw.name} (shard {index}) holds inf or nan values; refusing to export a broken weight")
+
+
+def compare_pieces(handle: Any, buffer: bytearray, offset: int, tw: TensorWrite, pieces: list[torch.Tensor],
+                   file_name: str) -> None:
+    """Compare a cast tensor's file region, piece by piece (one per rank shard), with the cast pieces."""
+    window = torch.frombuffer(buffer, dtype=torch.uint8)
+    handle.seek(offset)
+    for index, piece in enumerate(p for p in pieces if p.numel()):
+        flat = piece.reshape(-1).view(torch.uint8)
+        for start in range(0, flat.numel(), BLOCK):
+            n = min(BLOCK, flat.numel() - start)
+            read_exact(handle, memoryview(buffer)[:n], file_name)
+            if not same_bytes(window[:n], flat[start : start + n]):
+                raise CheckpointError(f"{tw.name}: round trip failed, cast piece {index} differs from the written bytes")
 
 
 def read_exact(handle: Any, view: memoryview, name: str) -> None:

@@ -153,6 +153,10 @@ def cast(tensor: torch.Tensor, dtype: str, what: str) -> torch.Tensor:
         return tensor
     out = tensor.to(target)
     if not all_finite(out):
+        # A cast keeps inf/nan, so a finite output proves a finite source; only a failure
+        # needs the source scanned, to tell a broken weight from an overflow.
+        if not all_finite(tensor):
+            raise CheckpointError(f"{what} holds inf or nan values; refusing to export a broken weight")
         raise CastError(f"casting {what} to {dtype} overflows (values beyond the {dtype} range); use a wider --dtype")
     return out
 
@@ -187,11 +191,19 @@ def verified_chunks(layout: TensorLayout, states: RankStates, *, check_values: b
     return chunks
 
 
+def in_rank_order(layout: TensorLayout) -> bool:
+    """True when the global tensor's bytes are the rank-local tensors' bytes in rank order (no concat)."""
+    return layout.shard_dim is None or all(s == 1 for s in layout.shape[: layout.shard_dim])
+
+
 def is_streamed(layout: TensorLayout, out_dtype: str) -> bool:
     """True when the output bytes are exactly the rank-local bytes in rank order (no cast, no concat)."""
-    if out_dtype != layout.dtype:
-        return False
-    return layout.shard_dim is None or all(s == 1 for s in layout.shape[: layout.shard_dim])
+    return out_dtype == layout.dtype and in_rank_order(layout)
+
+
+def is_cast_in_rank_order(layout: TensorLayout, out_dtype: str) -> bool:
+    """True when the output is the rank-local tensors in rank order, each cast on its own."""
+    return out_dtype != layout.dtype and in_rank_order(layout)
 
 
 def global_pieces(layout: TensorLayout, chunks: list[torch.Tensor], out_dtype: str, name: str) -> Iterator[torch.Tensor]:

@@ -18,15 +18,7 @@ from mergeflow.config import ModelMergerConfig
 from mergeflow.errors import BaseModelError, CheckpointError, SchemaMismatchError
 from mergeflow.fsops import FileStamp, sha256_file
 from mergeflow.pipeline_contract import check_pipeline_contract
-from mergeflow.schema import (
-    base_weight_headers,
-    config_differences,
-    diffusers_model_class,
-    expected_tensors,
-    keep_in_fp32_modules,
-    meta_model,
-    read_model_config,
-)
+from mergeflow.schema import ModelSchema, base_weight_headers, model_schema, read_model_config
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 
@@ -49,19 +41,18 @@ class OutputTarget:
     extras: dict[str, Any] = field(default_factory=dict)
 
 
-def diffusers_schema(actor_config: dict[str, Any], base_config: dict[str, Any]) -> tuple[type, dict[str, tuple[int, ...]]]:
-    """Same Diffusers class, equal constructor fields (defaults filled in); the base meta module's tensors."""
+def diffusers_schema(actor_config: dict[str, Any], base_config: dict[str, Any]) -> ModelSchema:
+    """Same Diffusers class, equal constructor fields (defaults filled in); the base meta module's schema."""
     actor_class, base_class = actor_config.get("_class_name"), base_config.get("_class_name")
     if not isinstance(actor_class, str):
         raise CheckpointError("huggingface/config.json of the checkpoint has no _class_name")
     if actor_class != base_class:
         raise SchemaMismatchError(f"the checkpoint is a {actor_class} but the base transformer is a {base_class}")
-    cls = diffusers_model_class(actor_class)
-    actor_meta, base_meta = meta_model(cls, actor_config), meta_model(cls, base_config)
-    diffs = config_differences(cls, actor_meta, base_meta)
+    actor, base = model_schema(actor_class, actor_config), model_schema(actor_class, base_config)
+    diffs = actor.differences(base)
     if diffs:
         raise SchemaMismatchError(f"checkpoint and base configs differ on {len(diffs)} field(s): {'; '.join(diffs[:3])}")
-    return cls, {k: v.shape for k, v in expected_tensors(base_meta).items()}
+    return base
 
 
 def _check_headers(headers: dict[str, tuple[str, tuple[int, ...]]], expected: dict[str, tuple[int, ...]], what: str) -> None:
@@ -74,13 +65,13 @@ def transformer_target(base: Path, layout: BaseLayout, actor_config: dict[str, A
     component_dir = layout.transformer_dir
     config_path = component_dir / "config.json"
     base_config = read_model_config(config_path, BaseModelError, f"{config_path.relative_to(base)} of the base")
-    cls, expected = diffusers_schema(actor_config, base_config)
-    _check_headers(base_weight_headers(component_dir, weights_name=WEIGHTS_NAME), expected, cls.__name__)
+    schema = diffusers_schema(actor_config, base_config)
+    _check_headers(base_weight_headers(component_dir, weights_name=WEIGHTS_NAME), schema.tensors, schema.class_name)
     rel = str(config_path.relative_to(base))
     return OutputTarget(
-        architecture=cls.__name__, transformer_class=cls.__name__, component_dir=component_dir, tensor_directory=".",
-        artifact_type="diffusers_transformer", weights_name=WEIGHTS_NAME, expected_shapes=expected,
-        keep_fp32=keep_in_fp32_modules(cls), base_files={rel: sha256_file(config_path)},
+        architecture=schema.class_name, transformer_class=schema.class_name, component_dir=component_dir,
+        tensor_directory=".", artifact_type="diffusers_transformer", weights_name=WEIGHTS_NAME,
+        expected_shapes=schema.tensors, keep_fp32=schema.keep_fp32, base_files={rel: sha256_file(config_path)},
         base_stamps={str(config_path): FileStamp.of(config_path)},
     )
 
@@ -144,9 +135,10 @@ def pipeline_target(config: ModelMergerConfig, base: Path, actor_config: dict[st
         expected, keep = remote_code_schema(actor_config, base_config, headers), ()
         extras["output_shapes"] = expected  # the class is never run here, so no meta instantiation checks it
     else:
-        cls, expected = diffusers_schema(actor_config, base_config)
-        _check_headers(headers, expected, f"{config.component} ({cls.__name__})")
-        keep, transformer_class = keep_in_fp32_modules(cls), cls.__name__
+        schema = diffusers_schema(actor_config, base_config)
+        expected = schema.tensors
+        _check_headers(headers, expected, f"{config.component} ({schema.class_name})")
+        keep, transformer_class = schema.keep_fp32, schema.class_name
     return OutputTarget(
         architecture=arch.pipeline_class, transformer_class=transformer_class, component_dir=component_dir,
         tensor_directory=config.component, artifact_type=arch.artifact_type, weights_name=weights_name,

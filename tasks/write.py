@@ -7,7 +7,7 @@ import hashlib
 import json
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from mergeflow.tasks.readback import FollowingReadBack, read_exact
 from mergeflow.tasks.reconstruct import (
     RankStates,
     global_pieces,
+    is_cast_in_rank_order,
     is_streamed,
     primary_chunks,
     verified_chunks,
@@ -159,11 +160,16 @@ def _stream_shard(fd: int, header: bytes, entries: dict[str, Any], ordered: list
         for tw in ordered:
             # A transform (LoRA fusion) computes the tensor from its sources; otherwise stream the rank pieces.
             streamed = tw.transform is None and is_streamed(tw.layout, tw.out_dtype)
+            cast_pieces = tw.transform is None and is_cast_in_rank_order(tw.layout, tw.out_dtype)
             if tw.transform is not None:
-                pieces = [transformed_tensor(tw, states)]
+                pieces: Iterable[torch.Tensor] = [transformed_tensor(tw, states)]
             else:
-                chunks = verified_chunks(tw.layout, states, check_values=not streamed)
+                # Finiteness: folded into the read-back for streamed tensors, proven by the cast's
+                # own output check for cast ones (a cast keeps inf/nan); scanned here otherwise.
+                chunks = verified_chunks(tw.layout, states, check_values=not (streamed or cast_pieces))
                 pieces = global_pieces(tw.layout, chunks, tw.out_dtype, tw.name)
+                if cast_pieces:
+                    pieces = list(pieces)  # kept until the read-back has compared them with the file
             written = 0
             for piece in pieces:
                 written += writer.write(_as_bytes(piece))
@@ -171,6 +177,8 @@ def _stream_shard(fd: int, header: bytes, entries: dict[str, Any], ordered: list
                 raise CheckpointError(f"{tw.name}: wrote {written} bytes, expected {entries[tw.name].end - entries[tw.name].begin}")
             if streamed:
                 follow.submit(tw)
+            elif cast_pieces:
+                follow.submit(tw, list(pieces))
             for hook in PROGRESS_HOOKS:
                 hook(written, 1)
         return writer.hexdigest()
@@ -197,9 +205,9 @@ def open_tensors(path: Path, expected_metadata: dict[str, str] | None = None) ->
 def verify_written_shard(path: Path, shard: ShardPlan, states: RankStates, header: bytes) -> None:
     """Layers 2 and 3 for what the read-back during writing did not cover.
 
-    Streamed tensors were compared while the file was written (FollowingReadBack). Here:
-    the header bytes, the file size, names, shapes and dtypes as safetensors reads them,
-    and every computed tensor (cast, concatenated, fused). Together every byte of the file
+    Streamed and cast tensors were compared while the file was written (FollowingReadBack).
+    Here: the header bytes, the file size, names, shapes and dtypes as safetensors reads
+    them, and every other computed tensor (concatenated, fused). Together every byte of the file
     is compared with what was meant to be written, so the sha256 hashed while writing is
     the file's sha256 without reading the file a second time.
     """
@@ -222,7 +230,7 @@ def verify_written_shard(path: Path, shard: ShardPlan, states: RankStates, heade
                 raise CheckpointError(f"{path.name}: {tw.name} was written with the wrong shape or dtype")
     if names != {t.name for t in shard.tensors}:
         raise CheckpointError(f"{path.name}: holds tensors that were not planned")
-    computed = [tw for tw in shard.tensors if tw.transform is not None or not is_streamed(tw.layout, tw.out_dtype)]
+    computed = [tw for tw in shard.tensors if not read_back_while_writing(tw)]
     if not computed:
         return
     tensors = open_tensors(path, shard.metadata)
@@ -231,6 +239,11 @@ def verify_written_shard(path: Path, shard: ShardPlan, states: RankStates, heade
             verify_transformed(tw, tensors[tw.name], states)
         else:
             verify_round_trip(tw.layout, tensors[tw.name], primary_chunks(tw.layout, states), tw.out_dtype, tw.name)
+
+
+def read_back_while_writing(tw: TensorWrite) -> bool:
+    """Streamed and cast-in-rank-order tensors are compared by the read-back that follows the writer."""
+    return tw.transform is None and (is_streamed(tw.layout, tw.out_dtype) or is_cast_in_rank_order(tw.layout, tw.out_dtype))
 
 
 def _reusable(record_path: Path, final: Path, shard: ShardPlan) -> ShardRecord | None:

@@ -11,13 +11,14 @@ import pytest
 import torch
 from torch import nn
 
-from mergeflow.errors import CheckpointError, InputChangedError, ValidationError
+from mergeflow.errors import CastError, CheckpointError, InputChangedError, ValidationError
 from mergeflow.fsops import FileStamp
 from mergeflow.layout import plan_layouts
 from mergeflow.records import ShardPlan, TensorWrite, VerifiedFile
 from mergeflow.streamio import BackgroundFlush, HashingWriter
 from mergeflow.synthetic.checkpoints import save_fsdp_checkpoint
-from mergeflow.tasks import validate, write
+from mergeflow import artifact_check
+from mergeflow.tasks import write
 from mergeflow.tasks.load import hash_rank_file, index_rank_file
 from mergeflow.tasks.reconstruct import RankStates, same_bytes
 
@@ -151,10 +152,10 @@ def test_validation_takes_a_verified_digest_only_while_the_file_is_unchanged(tmp
     files = _tree(tmp_path)
     verified = {"big.bin": VerifiedFile(files["big.bin"], FileStamp.of(tmp_path / "big.bin"))}
     hashed: list[str] = []
-    real = validate.sha256_file
-    monkeypatch.setattr(validate, "sha256_file", lambda p: hashed.append(p.name) or real(p))
+    real = artifact_check.sha256_file
+    monkeypatch.setattr(artifact_check, "sha256_file", lambda p: hashed.append(p.name) or real(p))
 
-    validate.check_tree_and_hashes(tmp_path, files, verified=verified)
+    artifact_check.check_tree_and_hashes(tmp_path, files, verified=verified)
     assert hashed == ["small.json"]  # the proven file was not read again
 
     # Same size, same mtime, one byte changed: ctime moves, so the digest is not trusted.
@@ -168,7 +169,7 @@ def test_validation_takes_a_verified_digest_only_while_the_file_is_unchanged(tmp
     os.utime(big, ns=(st.st_atime_ns, st.st_mtime_ns))
     hashed.clear()
     with pytest.raises(ValidationError, match="big.bin does not match"):
-        validate.check_tree_and_hashes(tmp_path, files, verified=verified)
+        artifact_check.check_tree_and_hashes(tmp_path, files, verified=verified)
     assert "big.bin" in hashed
 
 
@@ -176,7 +177,7 @@ def test_a_verified_digest_that_disagrees_with_the_manifest_fails(tmp_path: Path
     files = _tree(tmp_path)
     verified = {"big.bin": VerifiedFile("0" * 64, FileStamp.of(tmp_path / "big.bin"))}
     with pytest.raises(ValidationError, match="big.bin does not match"):
-        validate.check_tree_and_hashes(tmp_path, files, verified=verified)
+        artifact_check.check_tree_and_hashes(tmp_path, files, verified=verified)
 
 
 def test_rank_hash_refuses_a_file_that_is_not_the_planned_one(tmp_path: Path) -> None:
@@ -196,3 +197,52 @@ def test_finite_scan_takes_parameters_and_scalars() -> None:
     assert not all_finite(nn.Parameter(torch.tensor([1.0, float("inf")])))
     assert all_finite(torch.tensor(3.0, dtype=torch.bfloat16))
     assert not all_finite(torch.tensor(float("nan"), dtype=torch.float16))
+
+
+def _cast_shard(shard: ShardPlan, dtype: str) -> ShardPlan:
+    """The same shard with every float32 tensor cast to `dtype` on the way out."""
+    tensors = tuple(TensorWrite(t.name, t.source_key, t.layout, dtype if t.layout.dtype == "float32" else t.out_dtype)
+                    for t in shard.tensors)
+    return write.pack_shards(list(tensors), 1 << 30, "diffusion_pytorch_model.safetensors", "fp-cast").shards[0]
+
+
+def test_cast_tensors_are_read_back_while_writing(shard_setup, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    shard, states, out = shard_setup
+    cast_shard = _cast_shard(shard, "float16")
+    assert all(write.read_back_while_writing(t) for t in cast_shard.tensors)
+    record = write.write_shard_file(cast_shard, states, out, out / "work")
+    written = write.open_tensors(out / record.file_name)
+    for tw in cast_shard.tensors:  # what the follower proved, checked here the slow, independent way
+        source = torch.cat([states.local(r[0], tw.source_key) for r in tw.layout.chunk_ranks])
+        assert torch.equal(written[tw.name], source.to(written[tw.name].dtype))
+
+    (out / record.file_name).unlink()
+    (out / "work" / "shard-00000.json").unlink()
+    real = write._as_bytes
+
+    def flip_in_cast_output(tensor: torch.Tensor) -> memoryview:
+        data = bytearray(real(tensor))
+        if tensor.dtype == torch.float16:
+            data[0] ^= 0x01
+        return memoryview(data)
+
+    monkeypatch.setattr(write, "_as_bytes", flip_in_cast_output)
+    with pytest.raises(CheckpointError, match="round trip failed, cast piece"):
+        write.write_shard_file(cast_shard, states, out, out / "work")
+    assert not (out / cast_shard.file_name).exists()
+
+
+@pytest.mark.parametrize("value,message", [(float("nan"), "inf or nan"), (7e4, "overflows")])
+def test_a_cast_tells_a_broken_weight_from_an_overflow(tmp_path: Path, value: float, message: str) -> None:
+    model = Small()
+    with torch.no_grad():
+        model.a[3, 2] = value
+    actor = save_fsdp_checkpoint(model, tmp_path / "actor", WORLD)
+    names = tuple(f"model_world_size_{WORLD}_rank_{r}.pt" for r in range(WORLD))
+    layouts = plan_layouts([index_rank_file(actor, n, r).entries for r, n in enumerate(names)])
+    writes = [TensorWrite(k, k, layout, "float16" if layout.dtype == "float32" else layout.dtype) for k, layout in layouts.items()]
+    shard = write.pack_shards(writes, 1 << 30, "diffusion_pytorch_model.safetensors", "fp").shards[0]
+    out = tmp_path / "out"
+    (out / "work").mkdir(parents=True)
+    with pytest.raises(CheckpointError if message == "inf or nan" else CastError, match=message):
+        write.write_shard_file(shard, RankStates(actor, names), out, out / "work")

@@ -1,0 +1,71 @@
+"""The checkpoints the benchmarks export: real model depth, or a total size.
+
+Built in a child process, so the model's heap goes with it instead of crowding the page
+cache that the floor and the exports then use.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A benchmark shape: a Diffusers class with config overrides (or a total size), ranks, dtype."""
+
+    name: str
+    world_size: int
+    dtype: str
+    overrides: dict[str, Any] | None = None  # exact config overrides; else scaled to size_bytes
+    size_bytes: int = 0
+    class_name: str = "FluxTransformer2DModel"
+
+
+PRESETS = {
+    # FLUX.1's depth (19 double + 38 single blocks, 1,160 state-dict entries) at 8 heads of 128
+    # instead of 24: the tensor count and rank count of the real model, 5.3 GB of float32.
+    "real-depth": Preset("real-depth", world_size=8, dtype="float32",
+                         overrides={"num_attention_heads": 8, "attention_head_dim": 128, "axes_dims_rope": (16, 56, 56),
+                                    "num_layers": 19, "num_single_layers": 38}),
+    # The old default: ~1 GB in 62 tensors over 4 ranks (few, large tensors).
+    "1gb": Preset("1gb", world_size=4, dtype="bfloat16", size_bytes=10**9),
+}
+
+
+def _build(conn: Any, root: str, preset: Preset) -> None:
+    import torch
+
+    from mergeflow.synthetic.checkpoints import (
+        build_sized_checkpoint,
+        build_transformer,
+        perturb_,
+        save_base_transformer,
+        save_fsdp_checkpoint,
+    )
+
+    dtype = getattr(torch, preset.dtype)
+    if preset.overrides is None:
+        demo = build_sized_checkpoint(Path(root), preset.size_bytes, world_size=preset.world_size, dtype=dtype,
+                                      class_name=preset.class_name)
+        conn.send((str(demo.actor_dir), str(demo.base_dir)))
+        return
+    model = build_transformer(preset.class_name, seed=0, dtype=dtype, config_overrides=preset.overrides)
+    base = save_base_transformer(model, Path(root) / "base")
+    perturb_(model, seed=1)  # the base is on disk: perturb in place, one copy of the weights in memory
+    actor = save_fsdp_checkpoint(model, Path(root) / "global_step_1" / "actor", preset.world_size,
+                                 write_extra_state=False)
+    conn.send((str(actor), str(base)))
+
+
+def build_checkpoint(root: Path, preset: Preset) -> tuple[Path, Path]:
+    """(actor dir, base dir) of the preset's checkpoint, written under `root` by a child process."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_build, args=(child, str(root), preset))
+    proc.start()
+    actor, base = parent.recv()
+    proc.join()
+    return Path(actor), Path(base)

@@ -1,0 +1,54 @@
+"""What every benchmark here measures the same way: the floor, a process's memory, a quiet start."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+
+BLOCK = 16 * 1024 * 1024
+
+
+def floor_seconds(files: list[Path], out: Path) -> float:
+    """The machine's floor: read + sha256 + write of the same bytes in one pass, fsync at the end."""
+    digest = hashlib.sha256()
+    buf = bytearray(BLOCK)
+    view = memoryview(buf)
+    start = time.perf_counter()
+    with open(out, "wb", buffering=0) as dst:
+        for path in files:
+            with open(path, "rb", buffering=0) as src:
+                while n := src.readinto(buf):
+                    digest.update(view[:n])
+                    dst.write(view[:n])
+        os.fsync(dst.fileno())
+    elapsed = time.perf_counter() - start
+    out.unlink()
+    return elapsed
+
+
+def status_kb(pid: int | str = "self") -> tuple[int, int]:
+    """(VmRSS, RssAnon = private memory) of a process in kB.
+
+    /proc/PID/status keeps these as counters: O(1) to read. smaps_rollup walks every page
+    table, which with gigabytes of mapped rank files costs real CPU on a two-core machine.
+    """
+    rss = anon = 0
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    rss = int(line.split()[1])
+                elif line.startswith("RssAnon:"):
+                    anon = int(line.split()[1])
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return rss, anon
+
+
+def settle(seconds: float = 1.0) -> None:
+    """Let the last run's writeback and deletes land, and the Prefect server digest its events."""
+    os.sync()
+    time.sleep(seconds)
+    os.sync()

@@ -1,0 +1,324 @@
+"""A local Prefect server in the background, started by the first command and reused by the next.
+
+Without PREFECT_API_URL every Prefect process starts a temporary server of its own (seconds
+per command) whose runs vanish when it exits. The command line instead keeps one
+`prefect server start` running in the background: a state file under PREFECT_HOME records
+it, a file lock keeps two first commands from starting two, and later commands find it
+healthy and point PREFECT_API_URL at it. `mergeflow server status|start|stop` manage it.
+
+This module never imports prefect: it must set PREFECT_API_URL before Prefect reads its
+settings, and the server is a subprocess that needs no prefect in this one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from mergeflow.errors import MergeflowError
+
+STATE_FILE = "mergeflow-server.json"
+LOG_FILE = "mergeflow-server.log"
+LOCK_FILE = "mergeflow-server.lock"
+OPT_OUT_VAR = "MERGEFLOW_LOCAL_SERVER"  # "0" / "off": Prefect's temporary server, as without mergeflow
+STARTUP_TIMEOUT_VAR = "MERGEFLOW_SERVER_STARTUP_TIMEOUT"
+DEFAULT_STARTUP_TIMEOUT_S = 60.0
+HOST = "127.0.0.1"
+
+
+class LocalServerError(MergeflowError):
+    """The background Prefect server could not be started or stopped."""
+
+
+@dataclass(frozen=True)
+class ServerState:
+    """What the state file records about the background server."""
+
+    pid: int
+    port: int
+    api_url: str
+    ui_url: str
+    started_at: float  # time.time() when it answered its first health check
+    log_path: str
+
+
+def prefect_home() -> Path:
+    """PREFECT_HOME as Prefect resolves it (default ~/.prefect)."""
+    return Path(os.environ.get("PREFECT_HOME") or "~/.prefect").expanduser()
+
+
+def local_server_enabled() -> bool:
+    return os.environ.get(OPT_OUT_VAR, "").strip().lower() not in ("0", "off", "false", "no")
+
+
+def configured_api_url() -> str | None:
+    """The API URL the user configured (environment or Prefect profile), read without importing Prefect."""
+    if os.environ.get("PREFECT_API_URL"):
+        return os.environ["PREFECT_API_URL"]
+    if _settings_files_in_cwd():
+        return _api_url_from_prefect()
+    return _profile_api_url()
+
+
+def _api_url_from_prefect() -> str | None:
+    """Ask Prefect itself, in a child process: .env, prefect.toml and [tool.prefect] have many spellings.
+
+    Not in this process: once Prefect has built its settings here, a PREFECT_API_URL set
+    afterwards is ignored. About a second, and only for users who keep such files.
+    """
+    code = "from prefect.settings import get_current_settings as s; print(s().api.url or '')"
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None  # Prefect cannot read its own settings: the flow will say why
+    lines = done.stdout.strip().splitlines()
+    return lines[-1] if lines else None
+
+
+def _settings_files_in_cwd() -> bool:
+    if Path("prefect.toml").is_file():
+        return True
+    if Path(".env").is_file() and "PREFECT_" in _read_text(Path(".env")):
+        return True
+    return Path("pyproject.toml").is_file() and "[tool.prefect" in _read_text(Path("pyproject.toml"))
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def _profile_api_url() -> str | None:
+    """PREFECT_API_URL of the active profile in profiles.toml (how Prefect chooses it), or None."""
+    path = Path(os.environ.get("PREFECT_PROFILES_PATH") or prefect_home() / "profiles.toml").expanduser()
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError):
+        return None  # no file: Prefect's built-in default profile, which sets no API URL
+    active = os.environ.get("PREFECT_PROFILE") or data.get("active")
+    profile = data.get("profiles", {}).get(active, {}) if isinstance(active, str) else {}
+    url = profile.get("PREFECT_API_URL") if isinstance(profile, dict) else None
+    return str(url) if url else None
+
+
+def healthy(api_url: str, timeout: float = 1.0) -> bool:
+    """True when a Prefect API answers GET /health at `api_url`."""
+    try:
+        with urllib.request.urlopen(f"{api_url}/health", timeout=timeout) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def read_state(home: Path | None = None) -> ServerState | None:
+    path = (home or prefect_home()) / STATE_FILE
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return ServerState(**{k: data[k] for k in ServerState.__dataclass_fields__})
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # absent or damaged: treated as no server
+
+
+def _write_state(home: Path, state: ServerState) -> None:
+    path = home / STATE_FILE
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(asdict(state), indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _server_lock(home: Path) -> Iterator[None]:
+    """One process at a time decides whether to start the server (the others wait, then reuse it)."""
+    home.mkdir(parents=True, exist_ok=True)
+    with open(home / LOCK_FILE, "a") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def is_running(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie (a container's init may not reap it at once)."""
+    _reap(pid)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+    return "\nState:\tZ" not in status
+
+
+def _reap(pid: int) -> None:
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)  # only succeeds when this process started it
+
+
+def _is_our_server(state: ServerState) -> bool:
+    """The recorded pid still runs our `prefect server start` (not a reused pid of something else)."""
+    if not is_running(state.pid):
+        return False
+    try:
+        cmdline = Path(f"/proc/{state.pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return True  # no /proc: trust the pid
+    return all(part in cmdline for part in (b"prefect", b"server", b"start", str(state.port).encode()))
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+def _startup_timeout() -> float:
+    try:
+        return float(os.environ.get(STARTUP_TIMEOUT_VAR, DEFAULT_STARTUP_TIMEOUT_S))
+    except ValueError:
+        return DEFAULT_STARTUP_TIMEOUT_S
+
+
+def _server_env(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_API_KEY", "PREFECT_UI_URL")}
+    env["PREFECT_HOME"] = str(home)
+    env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    # The CLI silences its own console logs; the server's log file should still say what happens.
+    env.pop("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", None)
+    return env
+
+
+def _start(home: Path) -> ServerState:
+    """Start `prefect server start` detached (its own session, so Ctrl-C here leaves it) and wait for health."""
+    port = _free_port()
+    api_url = f"http://{HOST}:{port}/api"
+    log_path = home / LOG_FILE
+    command = [sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(port), "--analytics-off"]
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(command, env=_server_env(home), stdin=subprocess.DEVNULL, stdout=log,
+                                   stderr=subprocess.STDOUT, start_new_session=True, cwd=home)
+    try:
+        _wait_healthy(process, api_url, log_path)
+    except BaseException:  # Ctrl-C included: a server nobody recorded must not keep running
+        _stop_group(process.pid)
+        raise
+    state = ServerState(pid=process.pid, port=port, api_url=api_url, ui_url=f"http://{HOST}:{port}",
+                        started_at=time.time(), log_path=str(log_path))
+    _write_state(home, state)
+    return state
+
+
+def _wait_healthy(process: subprocess.Popen[bytes], api_url: str, log_path: Path) -> None:
+    timeout = _startup_timeout()
+    deadline = time.monotonic() + timeout
+    while not healthy(api_url):
+        if process.poll() is not None:
+            raise LocalServerError(f"the local Prefect server exited with code {process.returncode} while starting; "
+                                   f"see {log_path} (or set PREFECT_API_URL to a running server)")
+        if time.monotonic() > deadline:
+            raise LocalServerError(f"the local Prefect server did not answer within {timeout:g} s; see {log_path} "
+                                   f"(raise {STARTUP_TIMEOUT_VAR}, or set PREFECT_API_URL to a running server)")
+        time.sleep(0.2)
+
+
+def _alive_and_healthy(state: ServerState, patience_s: float = 10.0) -> bool:
+    """A recorded server that still runs gets some patience: a busy machine may answer slowly."""
+    if healthy(state.api_url):
+        return True
+    deadline = time.monotonic() + patience_s
+    while _is_our_server(state) and time.monotonic() < deadline:
+        if healthy(state.api_url, timeout=2.0):
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def start_local_server(home: Path | None = None) -> tuple[ServerState, bool]:
+    """The running background server, started if needed; True when this call started it."""
+    home = home or prefect_home()
+    with _server_lock(home):
+        state = read_state(home)
+        if state is not None and _alive_and_healthy(state):
+            return state, False
+        if state is not None and _is_our_server(state):
+            _stop_group(state.pid)  # running but not answering: replace it rather than leave it behind
+        return _start(home), True
+
+
+def ensure_local_server(stream: IO[str] = sys.stderr) -> ServerState | None:
+    """For a command about to run a flow: point PREFECT_API_URL at the background server.
+
+    Does nothing when the user configured an API (environment or profile) or opted out
+    with MERGEFLOW_LOCAL_SERVER=0. Must run before Prefect is imported in this process.
+    """
+    if not local_server_enabled() or configured_api_url():
+        return None
+    state, started = start_local_server()
+    if started:
+        print(f"mergeflow: started a local Prefect server at {state.ui_url} (runs stay visible there; "
+              "stop it with 'mergeflow server stop')", file=stream, flush=True)
+    os.environ["PREFECT_API_URL"] = state.api_url
+    return state
+
+
+def _stop_group(pid: int, wait_s: float = 10.0) -> None:
+    """SIGTERM the server's process group (uvicorn and services), then SIGKILL what is left."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if not is_running(pid):
+                return
+            time.sleep(0.1)
+
+
+def server_status(home: Path | None = None) -> dict[str, Any]:
+    """What `mergeflow server status` prints."""
+    home = home or prefect_home()
+    state = read_state(home)
+    running = state is not None and _is_our_server(state) and healthy(state.api_url)
+    out: dict[str, Any] = {"running": running, "state_file": str(home / STATE_FILE)}
+    if state is not None:
+        out.update(url=state.ui_url, api_url=state.api_url, pid=state.pid, port=state.port, log=state.log_path)
+    if configured_api_url():
+        out["configured_api_url"] = configured_api_url()  # commands use this one, not the local server
+    return out
+
+
+def stop_local_server(home: Path | None = None) -> dict[str, Any]:
+    """Stop the background server if one is recorded; safe to call again."""
+    home = home or prefect_home()
+    with _server_lock(home):
+        state = read_state(home)
+        stopped = state is not None and _is_our_server(state)
+        if stopped:
+            assert state is not None
+            _stop_group(state.pid)
+            if is_running(state.pid):
+                raise LocalServerError(f"the local Prefect server (pid {state.pid}) did not stop; kill it by hand")
+        with contextlib.suppress(FileNotFoundError):
+            (home / STATE_FILE).unlink()
+    return {"stopped": stopped, "pid": state.pid if state else None}

@@ -1,0 +1,90 @@
+"""Without PREFECT_API_URL the CLI starts one background Prefect server and later commands reuse it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from builders import make_export
+from mergeflow.flows import local_server
+
+REPO = Path(__file__).resolve().parents[1]
+STARTED = "mergeflow: started a local Prefect server at "
+LINK = re.compile(r"^mergeflow: flow run (\S+): (http://127\.0\.0\.1:(\d+)/runs/flow-run/([0-9a-f-]{36}))$", re.M)
+
+
+def newcomer_env(home: Path) -> dict[str, str]:
+    """A user who never configured Prefect: no PREFECT_API_URL, no profile, no opt-out."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.pop("MERGEFLOW_LOCAL_SERVER", None)
+    env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", HF_HUB_OFFLINE="1")
+    return env
+
+
+def mergeflow(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "mergeflow", *args], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(1)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_second_merge_reuses_the_background_server(tmp_path: Path) -> None:
+    ex = make_export(tmp_path, "FluxTransformer2DModel", 2)
+    home = tmp_path / "prefect-home"
+    env = newcomer_env(home)
+    merge = ["merge", "--backend", "fsdp", "--local_dir", str(ex.actor_dir), "--base_model", str(ex.base_dir),
+             "--output_format", "transformer", "--target_dir"]
+    try:
+        first = mergeflow([*merge, str(tmp_path / "out1")], env)
+        assert first.returncode == 0, first.stderr
+        assert first.stderr.count(STARTED) == 1, first.stderr
+        state = json.loads((home / local_server.STATE_FILE).read_text())
+        second = mergeflow([*merge, str(tmp_path / "out2")], env)
+        assert second.returncode == 0, second.stderr
+        assert STARTED not in second.stderr, "the second command started another server"
+        assert json.loads((home / local_server.STATE_FILE).read_text()) == state
+
+        links = [LINK.search(proc.stderr) for proc in (first, second)]
+        assert all(links), first.stderr + second.stderr
+        assert [m.group(1) for m in links if m] == ["merge-out1", "merge-out2"]
+        assert {int(m.group(3)) for m in links if m} == {state["port"]}
+        for match in links:
+            assert match is not None
+            run = httpx.get(f"{state['api_url']}/flow_runs/{match.group(4)}", timeout=10).json()
+            assert run["name"] == match.group(1) and run["state_type"] == "COMPLETED"
+
+        status = mergeflow(["server", "status"], env)
+        assert json.loads(status.stdout.strip().splitlines()[-1])["running"] is True, status.stderr
+        stop = mergeflow(["server", "stop"], env)
+        assert stop.returncode == 0, stop.stderr
+        assert json.loads(stop.stdout.strip().splitlines()[-1]) == {"stopped": True, "pid": state["pid"]}
+        assert not local_server.is_running(state["pid"])
+        assert not port_open(state["port"])
+        assert not (home / local_server.STATE_FILE).exists()
+        again = mergeflow(["server", "stop"], env)  # idempotent
+        assert again.returncode == 0 and json.loads(again.stdout.strip().splitlines()[-1])["stopped"] is False
+    finally:
+        local_server.stop_local_server(home)  # whatever failed above, no server outlives the test
+
+
+def test_opt_out_and_a_configured_api_start_no_server(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path))
+    monkeypatch.setenv("MERGEFLOW_LOCAL_SERVER", "off")
+    assert local_server.ensure_local_server() is None
+    monkeypatch.delenv("MERGEFLOW_LOCAL_SERVER")
+    (tmp_path / "profiles.toml").write_text('active = "mine"\n[profiles.mine]\nPREFECT_API_URL = "http://127.0.0.1:9/api"\n')
+    assert local_server.configured_api_url() == "http://127.0.0.1:9/api"
+    assert local_server.ensure_local_server() is None
+    assert not (tmp_path / local_server.STATE_FILE).exists()

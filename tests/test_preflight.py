@@ -1,0 +1,180 @@
+"""Refusals that need no tensor data answer before Prefect: no server, no torch, no diffusers.
+
+The CLI subprocesses below get a PREFECT_API_URL where nothing listens and may start no
+background server: a refusal that reached Prefect would fail differently (or hang on it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from builders import Export, make_export
+from mergeflow import errors as E
+from mergeflow.preflight import _diffusers_exported_names, preflight_merge
+
+REPO = Path(__file__).resolve().parents[1]
+UNREACHABLE_API = "http://127.0.0.1:9/api"  # the discard port: nothing answers there
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Export:
+    return make_export(tmp_path_factory.mktemp("preflight"), "FluxTransformer2DModel", 2)
+
+
+@pytest.fixture()
+def ex(source: Export, tmp_path: Path) -> Export:
+    """A private copy of the tiny export, free to damage."""
+    shutil.copytree(source.root / "base", tmp_path / "base")
+    shutil.copytree(source.root / "ckpt", tmp_path / "ckpt")
+    return Export(tmp_path, tmp_path / source.actor_dir.relative_to(source.root), tmp_path / "base", source.actor, source.class_name)
+
+
+def refusal_env(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.pop("MERGEFLOW_LOCAL_SERVER", None)  # a background server would start if anything got that far
+    env.update(PREFECT_API_URL=UNREACHABLE_API, PREFECT_HOME=str(home), HF_HUB_OFFLINE="1")
+    return env
+
+
+def merge_args(ex: Export, target: Path, **flags: str) -> list[str]:
+    args = {"--local_dir": str(ex.actor_dir), "--target_dir": str(target), "--base_model": str(ex.base_dir),
+            "--output_format": "transformer", **flags}
+    return ["merge", "--backend", "fsdp", *[part for item in args.items() for part in item]]
+
+
+def _missing_local_dir(ex: Export) -> list[str]:
+    return merge_args(ex, ex.root / "out", **{"--local_dir": str(ex.root / "no-such-actor")})
+
+
+def _existing_target(ex: Export) -> list[str]:
+    (ex.root / "taken").mkdir()
+    return merge_args(ex, ex.root / "taken")
+
+
+def _overlapping_dirs(ex: Export) -> list[str]:
+    return merge_args(ex, ex.actor_dir / "out")
+
+
+def _malformed_fsdp_config(ex: Export) -> list[str]:
+    (ex.actor_dir / "fsdp_config.json").write_text('{"FSDP_version": 2, "world_size": ')
+    return merge_args(ex, ex.root / "out")
+
+
+def _missing_rank_file(ex: Export) -> list[str]:
+    (ex.actor_dir / "model_world_size_2_rank_1.pt").unlink()
+    return merge_args(ex, ex.root / "out")
+
+
+def _unknown_class(ex: Export) -> list[str]:
+    for path in (ex.base_dir / "config.json", ex.actor_dir / "huggingface" / "config.json"):
+        path.write_text(json.dumps({**json.loads(path.read_text()), "_class_name": "MysteryTransformer9000"}))
+    return merge_args(ex, ex.root / "out")
+
+
+def _unknown_pipeline_class(ex: Export) -> list[str]:
+    (ex.base_dir / "model_index.json").write_text(json.dumps({"_class_name": "MysteryPipeline", "transformer": ["diffusers", "X"]}))
+    return merge_args(ex, ex.root / "out")
+
+
+def _pipeline_output_of_a_transformer_base(ex: Export) -> list[str]:
+    return merge_args(ex, ex.root / "out", **{"--output_format": "pipeline"})
+
+
+def _fuse_lora_without_lora(ex: Export) -> list[str]:
+    return [*merge_args(ex, ex.root / "out"), "--fuse-lora"]
+
+
+REFUSALS: dict[str, tuple[Callable[[Export], list[str]], str]] = {
+    "missing-local-dir": (_missing_local_dir, "is not a directory"),
+    "existing-target": (_existing_target, "already exists"),
+    "overlapping-dirs": (_overlapping_dirs, "overlap"),
+    "malformed-fsdp-config": (_malformed_fsdp_config, "fsdp_config.json is not valid JSON"),
+    "missing-rank-file": (_missing_rank_file, "missing"),
+    "unknown-class": (_unknown_class, "unknown model class 'MysteryTransformer9000'"),
+    "unknown-pipeline-class": (_unknown_pipeline_class, "unknown pipeline class"),
+    "pipeline-output-needs-pipeline-base": (_pipeline_output_of_a_transformer_base, "needs a base pipeline"),
+    "fuse-lora-without-lora": (_fuse_lora_without_lora, "--fuse-lora"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_refusal_answers_without_prefect(ex: Export, tmp_path: Path, case: str) -> None:
+    damage, message = REFUSALS[case]
+    args = damage(ex)
+    home = tmp_path / "prefect-home"
+    proc = subprocess.run([sys.executable, "-m", "mergeflow", *args], env=refusal_env(home), cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("mergeflow: error:"), proc.stderr
+    assert message in lines[0], lines[0]
+    assert not (ex.root / "out").exists()
+    assert not (home / "mergeflow-server.json").exists(), "a background server was started"
+
+
+_HARNESS = """
+import json, sys
+from mergeflow.flows.cli import main
+code = main(sys.argv[1:])
+print(json.dumps({"code": code, "loaded": sorted(m for m in ("torch", "prefect", "diffusers") if m in sys.modules)}))
+"""
+
+
+@pytest.mark.parametrize("case", ["missing-rank-file", "unknown-class", "existing-target"])
+def test_refusal_imports_no_torch_prefect_or_diffusers(ex: Export, tmp_path: Path, case: str) -> None:
+    args = REFUSALS[case][0](ex)
+    proc = subprocess.run([sys.executable, "-c", _HARNESS, *args], env=refusal_env(tmp_path / "home"), cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"code": 2, "loaded": []}, proc.stderr
+
+
+def test_bad_flag_value_is_refused_by_argparse_alone(ex: Export, tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-c", _HARNESS, *merge_args(ex, tmp_path / "out", **{"--dtype": "int4"})],
+                          env=refusal_env(tmp_path / "home"), cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+def test_preflight_accepts_a_good_export(ex: Export) -> None:
+    preflight_merge(ex.config(ex.root / "out"))
+
+
+def test_a_lora_run_may_name_a_hub_base(ex: Export) -> None:
+    """A LoRA-only save exports its adapter without a local base: only the rank files' keys tell, so accept."""
+    (ex.actor_dir / "lora_train_meta.json").write_text(json.dumps({"r": 4, "lora_alpha": 4, "task_type": None}))
+    preflight_merge(ex.config(ex.root / "out", base_model="tiny-org/flux"))
+    with pytest.raises(E.TargetExistsError):  # the checks every LoRA export runs still run
+        preflight_merge(ex.config(ex.actor_dir.parent, base_model="tiny-org/flux"))
+    with pytest.raises(E.UsageError, match="not a local directory"):  # fusing always needs the base
+        preflight_merge(ex.config(ex.root / "out", base_model="tiny-org/flux", fuse_lora=True))
+
+
+def test_class_mismatch_is_refused_like_the_flow(ex: Export) -> None:
+    path = ex.actor_dir / "huggingface" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "_class_name": "SD3Transformer2DModel"}))
+    with pytest.raises(E.SchemaMismatchError, match="is a SD3Transformer2DModel but the base transformer is a Flux"):
+        preflight_merge(ex.config(ex.root / "out"))
+
+
+def test_diffusers_names_are_read_completely_from_its_index() -> None:
+    """Every name the installed diffusers exports is found without importing it (else a false refusal)."""
+    import diffusers
+    from diffusers import ModelMixin
+
+    names = _diffusers_exported_names()
+    assert names is not None
+    exported = {n for n in diffusers.__all__ if re.fullmatch(r"[A-Z]\w*", n)}  # classes, not submodules
+    assert len(exported & names) > 100
+    # Names built at import time (dummies of a missing backend) are never Diffusers model classes.
+    unseen = [n for n in exported - names if isinstance(getattr(diffusers, n), type) and issubclass(getattr(diffusers, n), ModelMixin)]
+    assert unseen == []
+    assert "MysteryTransformer9000" not in names
