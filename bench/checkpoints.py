@@ -38,7 +38,7 @@ PRESETS = {
 def _build(conn: Any, root: str, preset: Preset) -> None:
     import torch
 
-    from mergeflow.synthetic.checkpoints import (
+    from mergeflow.demo.checkpoints import (
         build_sized_checkpoint,
         build_transformer,
         perturb_,

@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     config: Mapping[str, Any] = FLUX_DEV_CONFIG
     if args.tiny:
-        from mergeflow.synthetic.tiny_transformers import TINY_TRANSFORMER_CONFIGS
+        from mergeflow.demo.tiny_transformers import TINY_TRANSFORMER_CONFIGS
 
         config = TINY_TRANSFORMER_CONFIGS[CLASS_NAME]
     kwargs: dict[str, Any] = dict(world_size=args.world_size, dtype=dtype, config=config, seed=args.seed)

@@ -119,7 +119,7 @@ def tree_bytes(root: Path) -> int:
 def model_config(tiny: bool) -> dict[str, object]:
     if not tiny:
         return gen.FLUX_DEV_CONFIG
-    from mergeflow.synthetic.tiny_transformers import TINY_TRANSFORMER_CONFIGS
+    from mergeflow.demo.tiny_transformers import TINY_TRANSFORMER_CONFIGS
 
     return TINY_TRANSFORMER_CONFIGS[gen.CLASS_NAME]
 

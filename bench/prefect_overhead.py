@@ -99,7 +99,7 @@ def main() -> None:
 
     from mergeflow.config import ModelMergerConfig
     from mergeflow.flows.api import merge_model
-    from mergeflow.synthetic.checkpoints import build_sized_checkpoint
+    from mergeflow.demo.checkpoints import build_sized_checkpoint
 
     workdir = Path(tempfile.mkdtemp(prefix="mergeflow-overhead-"))
     try:

@@ -13,7 +13,7 @@ from mergeflow.flows.api import merge_model, validate_artifact
 
 def run_demo(workdir: str | None = None, *, class_name: str = "FluxTransformer2DModel", world_size: int = 4) -> dict[str, Any]:
     """Build a W=4 FSDP2 checkpoint of a tiny transformer, export it, validate the result."""
-    from mergeflow.synthetic.checkpoints import build_demo_checkpoint
+    from mergeflow.demo.checkpoints import build_demo_checkpoint
 
     root = Path(workdir).expanduser().resolve() if workdir else Path(tempfile.mkdtemp(prefix="mergeflow-demo-"))
     root.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed.tensor  # noqa: F401
 
 from mergeflow.config import ModelMergerConfig
-from mergeflow.synthetic.checkpoints import build_transformer, perturb_, save_base_transformer, save_fsdp_checkpoint
+from mergeflow.demo.checkpoints import build_transformer, perturb_, save_base_transformer, save_fsdp_checkpoint
 
 
 @dataclass

@@ -13,7 +13,7 @@ import torch
 
 from builders import leftovers, tree_digest
 from mergeflow.config import ModelMergerConfig
-from mergeflow.synthetic.checkpoints import perturb_, save_fsdp_checkpoint, tiny_forward_inputs
+from mergeflow.demo.checkpoints import perturb_, save_fsdp_checkpoint, tiny_forward_inputs
 
 WORLD_SIZE = 2
 

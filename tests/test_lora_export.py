@@ -17,7 +17,7 @@ from lora_builders import ATTN_TARGETS, LoraCheckpoint, build_lora_checkpoint
 from mergeflow import merge_model, validate_artifact
 from mergeflow.errors import LoraError, UsageError, ValidationError
 from mergeflow.lora_export import DIFFUSERS_METADATA_KEY
-from mergeflow.synthetic.checkpoints import run_tiny_forward
+from mergeflow.demo.checkpoints import run_tiny_forward
 
 # PEFT and Diffusers warn about tiny models (unmatched patterns, adapter dtype casts); huggingface_hub's LFS PUT
 # passes a file object as `data=`, which httpx deprecates.
@@ -230,7 +230,7 @@ def test_adapter_only_upload_publishes_the_adapter_directory(
 
 
 def test_full_state_pipeline_export_with_diffusers_adapter_loads_with_load_lora_weights(tmp_path: Path, prefect_api: object) -> None:
-    from mergeflow.synthetic.pipelines_image import build_flux_pipeline
+    from fixtures.pipelines_image import build_flux_pipeline
 
     class_name = "FluxTransformer2DModel"
     ck = build_lora_checkpoint(tmp_path, class_name, plain_config(class_name), world_size=3)

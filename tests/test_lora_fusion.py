@@ -16,7 +16,7 @@ from builders import assert_bit_exact, leftovers, make_export, output_state
 from lora_builders import ATTN_TARGETS, LoraCheckpoint, build_lora_checkpoint, keep_lora_only
 from mergeflow import merge_model, validate_artifact
 from mergeflow.errors import CheckpointError, LoraError, UsageError
-from mergeflow.synthetic.checkpoints import run_tiny_forward
+from mergeflow.demo.checkpoints import run_tiny_forward
 from rank_tools import rewrite_rank
 from ulps import operand_ulps
 
@@ -289,7 +289,7 @@ def test_dora_and_conv_fusion_without_their_config_are_refused(tmp_path: Path, p
 
 @pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")  # the synthetic native VAE
 def test_minimax_h3_native_fuses_before_conversion_and_refuses_adapters(tmp_path: Path, prefect_api: object) -> None:
-    from mergeflow.synthetic.minimax_h3 import build_minimax_h3_native, reference_native_state_dict
+    from fixtures.minimax_h3 import build_minimax_h3_native, reference_native_state_dict
 
     h3 = "MiniMaxH3Transformer3DModel"
     make = lambda n: LoraConfig(r=4, lora_alpha=8, target_modules=ATTN_TARGETS + ["net.0.proj"])  # noqa: E731

@@ -14,7 +14,7 @@ import torch
 from builders import assert_bit_exact, leftovers, make_export, output_state, tree_digest
 from mergeflow import merge_model, validate_artifact
 from mergeflow.errors import ValidationError
-from mergeflow.synthetic.checkpoints import run_tiny_forward
+from mergeflow.demo.checkpoints import run_tiny_forward
 from mergeflow.tasks.reconstruct import RankStates
 
 CLASSES = [

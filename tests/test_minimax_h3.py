@@ -23,8 +23,8 @@ from pipeline_builders import (
 )
 from mergeflow import validate_artifact
 from mergeflow.errors import SchemaMismatchError
-from mergeflow.synthetic.checkpoints import build_transformer
-from mergeflow.synthetic.minimax_h3 import (
+from mergeflow.demo.checkpoints import build_transformer
+from fixtures.minimax_h3 import (
     build_minimax_h3_modular,
     build_minimax_h3_native,
     native_tensor_shapes,
@@ -101,7 +101,7 @@ def test_native_weights_convert_back_and_run_like_the_actor(native: Exported, tm
 
 def test_product_conversion_is_independent_of_the_reference() -> None:
     source = Path(product_conversion.__file__).read_text()
-    assert "minimax_h3_reference" not in source and "synthetic" not in source
+    assert "minimax_h3_reference" not in source and "fixtures" not in source
 
 
 def _damaged_native_base(native: Exported, root: Path) -> Path:

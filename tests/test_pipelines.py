@@ -24,11 +24,11 @@ from pipeline_builders import (
 )
 from mergeflow import validate_artifact
 from mergeflow.errors import BaseModelError, UsageError, ValidationError
-from mergeflow.synthetic.boogu import build_boogu_pipeline, load_boogu_pipeline, load_boogu_transformer
-from mergeflow.synthetic.checkpoints import build_transformer
-from mergeflow.synthetic.pipelines_image import build_flux_pipeline, build_qwenimage_pipeline, build_sd3_pipeline
-from mergeflow.synthetic.pipelines_video import build_ltx2_pipeline, build_wan_pipeline
-from mergeflow.synthetic.qwen_processor import load_edit_processor
+from fixtures.boogu import build_boogu_pipeline, load_boogu_pipeline, load_boogu_transformer
+from mergeflow.demo.checkpoints import build_transformer
+from fixtures.pipelines_image import build_flux_pipeline, build_qwenimage_pipeline, build_sd3_pipeline
+from fixtures.pipelines_video import build_ltx2_pipeline, build_wan_pipeline
+from fixtures.qwen_processor import load_edit_processor
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import torch.distributed.tensor  # noqa: F401  (torch's loader needs DTensor reg
 from mergeflow.errors import CheckpointError, UnsafeCheckpointError
 from mergeflow.rank_files import describe_state, load_rank_state, local_tensor
 from mergeflow.rank_pickle import NotFastReadable, ShardedValue, read_rank_file
-from mergeflow.synthetic.checkpoints import build_transformer, save_fsdp_checkpoint
+from mergeflow.demo.checkpoints import build_transformer, save_fsdp_checkpoint
 from test_reconstruct import Odd
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from mergeflow.errors import SchemaMismatchError
 from mergeflow.schema import model_schema
-from mergeflow.synthetic.tiny_transformers import TINY_TRANSFORMER_CONFIGS
+from mergeflow.demo.tiny_transformers import TINY_TRANSFORMER_CONFIGS
 
 FLUX = "FluxTransformer2DModel"
 

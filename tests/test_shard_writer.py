@@ -16,7 +16,7 @@ from mergeflow.fsops import FileStamp
 from mergeflow.layout import plan_layouts
 from mergeflow.records import ShardPlan, TensorWrite, VerifiedFile
 from mergeflow.streamio import BackgroundFlush, HashingWriter
-from mergeflow.synthetic.checkpoints import save_fsdp_checkpoint
+from mergeflow.demo.checkpoints import save_fsdp_checkpoint
 from mergeflow import artifact_check
 from mergeflow.tasks import write
 from mergeflow.tasks.load import hash_rank_file, index_rank_file

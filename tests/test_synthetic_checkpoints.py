@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from mergeflow.errors import UsageError
-from mergeflow.synthetic.checkpoints import (
+from mergeflow.demo.checkpoints import (
     TINY_TRANSFORMER_CONFIGS,
     DemoCheckpoint,
     build_demo_checkpoint,
@@ -28,8 +28,8 @@ from mergeflow.synthetic.checkpoints import (
     save_base_transformer,
     save_fsdp_checkpoint,
 )
-from mergeflow.synthetic.sizing import state_dict_bytes
-from mergeflow.synthetic.tiny_transformers import keeps_fp32
+from mergeflow.demo.sizing import state_dict_bytes
+from mergeflow.demo.tiny_transformers import keeps_fp32
 
 CLASS_NAMES = sorted(TINY_TRANSFORMER_CONFIGS)
 REQUIRED = {

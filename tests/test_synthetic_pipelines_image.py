@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 
 from mergeflow.errors import UsageError
-from mergeflow.synthetic.pipelines_image import (
+from fixtures.pipelines_image import (
     build_flux_pipeline,
     build_qwenimage_pipeline,
     build_sd3_pipeline,
@@ -26,8 +26,8 @@ from mergeflow.synthetic.pipelines_image import (
     tiny_qwenimage_transformer,
     tiny_sd3_transformer,
 )
-from mergeflow.synthetic.qwen_processor import load_edit_processor
-from mergeflow.synthetic.tokenizers import (
+from fixtures.qwen_processor import load_edit_processor
+from fixtures.tokenizers import (
     save_clip_tokenizer,
     save_gemma_tokenizer,
     save_qwen2_tokenizer,

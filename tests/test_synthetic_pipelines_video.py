@@ -15,14 +15,14 @@ import torch
 from safetensors.torch import load_file
 
 from mergeflow.errors import SchemaMismatchError
-from mergeflow.synthetic.boogu import (
+from fixtures.boogu import (
     build_boogu_pipeline,
     boogu_transformer_instance,
     load_boogu_pipeline,
     load_boogu_transformer,
     remote_class,
 )
-from mergeflow.synthetic.minimax_h3 import (
+from fixtures.minimax_h3 import (
     H3_TEXT_ENCODER_LAYERS,
     NATIVE_METADATA,
     build_minimax_h3_modular,
@@ -31,15 +31,15 @@ from mergeflow.synthetic.minimax_h3 import (
     native_tensor_shapes,
     reference_native_state_dict,
 )
-from mergeflow.synthetic.minimax_h3_reference import fuse_qkv, rope_inv_freq, swap_gate_value
-from mergeflow.synthetic.pipelines_video import (
+from fixtures.minimax_h3_reference import fuse_qkv, rope_inv_freq, swap_gate_value
+from fixtures.pipelines_video import (
     build_ltx2_pipeline,
     build_wan_pipeline,
     tiny_ltx2_transformer,
     tiny_wan_transformer,
 )
-from mergeflow.synthetic.qwen3vl import load_qwen3vl_processor
-from mergeflow.synthetic.tiny_transformers import build_transformer
+from fixtures.qwen3vl import load_qwen3vl_processor
+from mergeflow.demo.tiny_transformers import build_transformer
 
 H3 = "MiniMaxH3Transformer3DModel"
 

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mergeflow.synthetic.sizing import scaled_overrides
-from mergeflow.synthetic.tiny_transformers import (
+from mergeflow.demo.sizing import scaled_overrides
+from mergeflow.demo.tiny_transformers import (
     TINY_TRANSFORMER_CONFIGS,
     build_transformer,
     perturb_,

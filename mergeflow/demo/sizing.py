@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from mergeflow.errors import UsageError
-from mergeflow.synthetic.tiny_transformers import (
+from mergeflow.demo.tiny_transformers import (
     TINY_TRANSFORMER_CONFIGS,
     keeps_fp32,
     transformer_class,

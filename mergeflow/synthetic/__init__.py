@@ -1,1 +1,0 @@
-"""Builders of tiny, real checkpoints and pipelines (demo, tests, benchmarks)."""
