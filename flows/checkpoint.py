@@ -8,27 +8,25 @@ so optional keys are resolved here, in Python, against the defaults given to `se
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
 from prefect import flow
 from prefect.runtime import flow_run
 
+from mergeflow.checkpoint import step_of
 from mergeflow.config import DEFAULT_MAX_SHARD_SIZE, ModelMergerConfig
 from mergeflow.errors import UsageError
 from mergeflow.flows.merge import merge_flow
 from mergeflow.flows.runners import make_task_runner
 
-_STEP_DIR = re.compile(r"global_step_(\d+)")
 FORMAT_FIELDS = ("run_name", "step")
 
 
 def _step_of(checkpoint: dict[str, Any], actor_dir: Path) -> int | None:
     step = checkpoint.get("step")
     if step is None:
-        match = _STEP_DIR.fullmatch(actor_dir.parent.name)
-        return int(match.group(1)) if match else None
+        return step_of(actor_dir.parent.name)
     if isinstance(step, str) and step.isdigit():
         return int(step)
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:

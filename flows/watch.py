@@ -14,21 +14,19 @@ import hashlib
 import json
 import logging
 import os
-import re
 import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from mergeflow.errors import UsageError
+from mergeflow.checkpoint import FSDP_CONFIG, RANK_FILE_RE, step_of
+from mergeflow.errors import CheckpointError, UsageError
+from mergeflow.jsonfiles import read_json_strict
 from mergeflow.flows.watch_state import STATE_FILE_NAME, WatchState
 
-_STEP_DIR = re.compile(r"global_step_(\d+)")
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
-_MODEL_RANK_FILE = re.compile(r"model_world_size_(\d+)_rank_(\d+)\.pt")
 # Bursts of write notifications (a rank file streaming to disk) collapse into one scan.
 _MIN_SCAN_INTERVAL = 0.1
 # How quickly run() notices an external stop_event while it sleeps.
@@ -63,9 +61,9 @@ def find_checkpoints(train_dir: str | os.PathLike[str]) -> list[CheckpointCandid
     found: list[CheckpointCandidate] = []
     with contextlib.suppress(FileNotFoundError):
         for entry in os.scandir(root):
-            match = _STEP_DIR.fullmatch(entry.name)
-            if match and entry.is_dir() and (root / entry.name / "actor").is_dir():
-                found.append(CheckpointCandidate(int(match.group(1)), root / entry.name / "actor"))
+            step = step_of(entry.name)
+            if step is not None and entry.is_dir() and (root / entry.name / "actor").is_dir():
+                found.append(CheckpointCandidate(step, root / entry.name / "actor"))
     return sorted(found)
 
 
@@ -80,21 +78,14 @@ def _fingerprint(actor_dir: Path) -> str:
     return hashlib.sha256(json.dumps(sorted(entries)).encode("utf-8")).hexdigest()
 
 
-def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    keys = [key for key, _ in pairs]
-    if len(keys) != len(set(keys)):
-        raise ValueError("duplicate keys")
-    return dict(pairs)
-
-
 def _declared_world_size(actor_dir: Path) -> int | str:
     """world_size from fsdp_config.json, or the reason it cannot be read (yet)."""
-    path = actor_dir / "fsdp_config.json"
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_reject_duplicates)
-    except FileNotFoundError:
+    path = actor_dir / FSDP_CONFIG
+    if not path.is_file():
         return "fsdp_config.json is not written yet"
-    except (OSError, ValueError):
+    try:  # the exporter's own strict reader; a half-written file only means "not yet" here
+        config = read_json_strict(path, CheckpointError, FSDP_CONFIG)
+    except CheckpointError:
         return "fsdp_config.json is not valid JSON (yet)"
     world_size = config.get("world_size") if isinstance(config, dict) else None
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -121,7 +112,7 @@ def _inspect_file_set(actor_dir: Path, fingerprint: str) -> CheckpointSnapshot:
     if isinstance(world_size, str):
         return not_ready(world_size)
     expected = {f"model_world_size_{world_size}_rank_{rank}.pt" for rank in range(world_size)}
-    present = {name for name in os.listdir(actor_dir) if _MODEL_RANK_FILE.fullmatch(name)}
+    present = {name for name in os.listdir(actor_dir) if RANK_FILE_RE.match(name)}
     unexpected = sorted(present - expected)
     if unexpected:
         return not_ready(
@@ -152,14 +143,13 @@ def _tracker_behind(actor_dir: Path) -> str:
     verl writes the tracker beside global_step_N/ after every rank has saved step N. Without a
     tracker (other trainers) or with an unreadable one, the file-set checks decide alone.
     """
-    match = _STEP_DIR.fullmatch(actor_dir.parent.name)
-    if match is None:
+    step = step_of(actor_dir.parent.name)
+    if step is None:
         return ""
     try:
         latest = int((actor_dir.parent.parent / TRACKER_FILE).read_text(encoding="utf-8").strip())
     except (OSError, ValueError):
         return ""
-    step = int(match.group(1))
     if step > latest:
         return f"{TRACKER_FILE} says step {latest}; training has not finished saving step {step}"
     return ""

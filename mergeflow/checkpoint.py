@@ -10,6 +10,7 @@ from mergeflow.errors import CheckpointError
 from mergeflow.jsonfiles import read_json_strict
 
 RANK_FILE_RE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
+STEP_DIR_RE = re.compile(r"global_step_(\d+)")  # verl's `global_step_N/actor` checkpoint directories
 FSDP_CONFIG = "fsdp_config.json"
 LORA_META = "lora_train_meta.json"
 
@@ -41,6 +42,12 @@ def read_fsdp_config(actor_dir: Path) -> FsdpConfig:
     if data["world_size"] < 1:
         raise CheckpointError(f"{FSDP_CONFIG}: world_size must be >= 1, got {data['world_size']}")
     return FsdpConfig(version=data["FSDP_version"], world_size=data["world_size"])
+
+
+def step_of(dir_name: str) -> int | None:
+    """The N of a `global_step_N` directory name, or None for any other name."""
+    match = STEP_DIR_RE.fullmatch(dir_name)
+    return int(match.group(1)) if match else None
 
 
 def rank_file_name(world_size: int, rank: int) -> str:

@@ -11,18 +11,17 @@ import hashlib
 import json
 import logging
 import os
-import re
 import threading
 from pathlib import Path
 from typing import Any
 
+from mergeflow.checkpoint import step_of
 from mergeflow.errors import EventError, UsageError
 
 EVENT_CHECKPOINT_SAVED = "mergeflow.checkpoint.saved"
 RESOURCE_PREFIX = "mergeflow.checkpoint."
 DEFAULT_DELIVERY_TIMEOUT = 30.0
 
-_STEP_DIR = re.compile(r"global_step_(\d+)")
 _CORE_PAYLOAD_KEYS = frozenset({"local_dir", "step", "run_name", "base_model", "target_dir"})
 # Prefect's queue services swallow delivery errors and report them only as ERROR records
 # on this logger (e.g. "Service 'EventsWorker' failed with 1 pending items.").
@@ -45,8 +44,7 @@ def resolve_actor_dir(path: str | os.PathLike[str]) -> Path:
 
 def infer_step(actor_dir: Path) -> int | None:
     """The N of a `global_step_N/actor` directory, or None when the layout is different."""
-    match = _STEP_DIR.fullmatch(actor_dir.parent.name)
-    return int(match.group(1)) if match else None
+    return step_of(actor_dir.parent.name)
 
 
 def checkpoint_resource_id(actor_dir: Path) -> str:
