@@ -8,18 +8,6 @@ from typing import Any
 from prefect import task
 from prefect.artifacts import create_link_artifact
 
-from mergeflow.errors import UploadTransientError
-
-
-def retry_transient_upload(task: Any, task_run: Any, state: Any) -> bool:
-    """Only transient Hub failures (network, 5xx, 429) are worth another Prefect-level attempt."""
-    try:
-        state.result()
-    except (UploadTransientError, ConnectionError, TimeoutError):
-        return True
-    except Exception:
-        return False
-    return False
 
 
 def _link(record: dict[str, Any]) -> None:
@@ -29,9 +17,10 @@ def _link(record: dict[str, Any]) -> None:
 
 
 # The token is never a task parameter (Prefect records parameters): huggingface_hub reads
-# HF_TOKEN or the stored login itself.
-@task(name="upload-to-hub", task_run_name="upload-{repo_id}", retries=2, retry_delay_seconds=10,
-      retry_condition_fn=retry_transient_upload)
+# HF_TOKEN or the stored login itself. No Prefect retries: every Hub call already goes through
+# mergeflow.hub_retry.call_with_retries (transient errors only, Retry-After honoured), the one
+# retry policy for uploads; a second loop around it multiplied the attempts (5 inside each of 3).
+@task(name="upload-to-hub", task_run_name="upload-{repo_id}")
 def upload_to_hub(artifact_dir: str, repo_id: str, private: bool = False) -> dict[str, Any]:
     """Upload the published artifact as one commit and verify every file on the Hub."""
     from mergeflow.hub import upload_artifact
@@ -41,8 +30,7 @@ def upload_to_hub(artifact_dir: str, repo_id: str, private: bool = False) -> dic
     return record
 
 
-@task(name="verify-upload", task_run_name="verify-upload-{repo_id}", retries=2, retry_delay_seconds=10,
-      retry_condition_fn=retry_transient_upload)
+@task(name="verify-upload", task_run_name="verify-upload-{repo_id}")
 def verify_hub_upload(artifact_dir: str, repo_id: str, revision: str | None = None) -> dict[str, Any]:
     """Check that the Hub repo holds exactly the artifact's files (sizes and sha256)."""
     from mergeflow.hub import verify_upload
