@@ -9,11 +9,11 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from mergeflow.flows.local_server import healthy
 
 # Faster event persistence than the 5 s default, so tests that read events back wait less.
 _SERVER_SETTINGS = {
@@ -71,11 +71,7 @@ def free_port() -> int:
 
 
 def _healthy(api_url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{api_url}/health", timeout=2) as response:
-            return response.status == 200
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-        return False
+    return healthy(api_url, timeout=2)  # the product's own check (flows/local_server.py)
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
