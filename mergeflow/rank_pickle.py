@@ -155,8 +155,23 @@ def _rebuild_tensor_v2(storage: Any, offset: Any, size: Any, stride: Any, requir
                        backward_hooks: Any, metadata: Any = None) -> torch.Tensor:
     if not isinstance(storage, _Storage) or metadata:
         raise NotFastReadable("tensor metadata outside the closed table")
+    offset, size, stride = int(offset), tuple(int(n) for n in size), tuple(int(n) for n in stride)
+    _check_in_bounds(storage, offset, size, stride)
     tensor = torch.empty((0,), dtype=storage.dtype)
-    return tensor.set_(storage.untyped, int(offset), tuple(size), tuple(stride))
+    return tensor.set_(storage.untyped, offset, size, stride)
+
+
+def _check_in_bounds(storage: _Storage, offset: int, size: tuple[int, ...], stride: tuple[int, ...]) -> None:
+    """A view must lie inside its storage: `set_` does not check, and a view past the end reads
+    memory that is not the file's."""
+    itemsize = torch.empty((), dtype=storage.dtype).element_size()
+    if len(size) != len(stride) or offset < 0 or any(n < 0 for n in size) or any(n < 0 for n in stride):
+        raise NotFastReadable("a tensor view with negative or mismatched sizes")
+    if math.prod(size) == 0:
+        return
+    last = offset + sum((n - 1) * st for n, st in zip(size, stride))
+    if (last + 1) * itemsize > storage.untyped.nbytes():
+        raise NotFastReadable("a tensor view that runs past its storage")
 
 
 def _rebuild_parameter(data: Any, requires_grad: Any, backward_hooks: Any) -> torch.Tensor:

@@ -81,3 +81,17 @@ def test_damaged_archive_falls_back_to_torch_verdict(tmp_path: Path) -> None:
         read_rank_file(path)
     with pytest.raises((CheckpointError, UnsafeCheckpointError)):  # torch's loader gives the verdict
         load_rank_state(path)
+
+
+def test_a_view_past_its_storage_is_not_read() -> None:
+    """`Tensor.set_` does not bound-check: the reader must, or a crafted file reads foreign memory."""
+    from collections import OrderedDict
+
+    from mergeflow.rank_pickle import _rebuild_tensor_v2, _Storage
+
+    storage = _Storage(torch.UntypedStorage(16), torch.float32)  # room for 4 floats
+    assert _rebuild_tensor_v2(storage, 2, (2,), (1,), False, OrderedDict()).shape == (2,)
+    assert _rebuild_tensor_v2(storage, 0, (2, 2), (2, 1), False, OrderedDict()).shape == (2, 2)
+    for offset, size, stride in [(0, (5,), (1,)), (3, (2,), (1,)), (0, (2, 2), (3, 1)), (-1, (1,), (1,)), (0, (2,), (-1,))]:
+        with pytest.raises(NotFastReadable):
+            _rebuild_tensor_v2(storage, offset, size, stride, False, OrderedDict())
