@@ -35,11 +35,11 @@ def merge_direct(config: Any) -> dict[str, str]:
     from mergeflow.fsops import TargetLock
     from mergeflow.paths import check_target
     from mergeflow.tasks.inspect import inspect_merge
-    from mergeflow.tasks.load import hash_rank_file, index_rank_file
+    from mergeflow.export.rank_index import hash_rank_file, index_rank_file
     from mergeflow.tasks.publish import finalize_staging, publish_staged, relative_to_artifact
-    from mergeflow.tasks.reconstruct import RankStates, plan_tensor_writes
+    from mergeflow.export.reconstruct import RankStates, plan_tensor_writes
     from mergeflow.tasks.validate import validate_staged
-    from mergeflow.tasks.write import pack_shards, write_shard_file
+    from mergeflow.export.shard_writer import pack_shards, write_shard_file
 
     plan = inspect_merge(config)
     trust = bool(plan.config.get("trust_checkpoint"))

@@ -24,10 +24,12 @@ from mergeflow.tasks.inspect import inspect_inputs
 from mergeflow.tasks.load import hash_rank, load_rank_shards
 from mergeflow.tasks.lora import plan_lora, plan_lora_writes, write_lora_adapter
 from mergeflow.tasks.publish import publish, relative_to_artifact, write_metadata
-from mergeflow.tasks.reconstruct import RankStates, plan_reconstruction
+from mergeflow.export.reconstruct import RankStates
+from mergeflow.tasks.reconstruct import plan_reconstruction
 from mergeflow.tasks.upload import upload_to_hub
 from mergeflow.tasks.validate import validate_staged_task
-from mergeflow.tasks.write import pack_shards, write_shard
+from mergeflow.export.shard_writer import pack_shards
+from mergeflow.tasks.write import write_shard
 from mergeflow.flows.artifacts import publish_manifest_artifacts, report_progress, start_progress
 
 

@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from mergeflow.tasks.write import PROGRESS_HOOKS
+from mergeflow.export.shard_writer import PROGRESS_HOOKS
 
 
 class StderrProgress:
@@ -89,8 +89,10 @@ class FlowRunLinks(logging.Handler):
 @contextmanager
 def flow_run_links() -> Iterator[FlowRunLinks]:
     """Show the UI link of every flow run started in this process while the block runs."""
+    import prefect.main  # noqa: F401  (configures Prefect's logging, which drops a handler added before it)
+
     handler = FlowRunLinks()
-    logger = logging.getLogger("prefect.flow_runs")  # configured when prefect was imported (above)
+    logger = logging.getLogger("prefect.flow_runs")
     logger.addHandler(handler)
     try:
         yield handler

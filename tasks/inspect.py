@@ -19,8 +19,8 @@ from mergeflow.paths import lock_path_for, staging_dir_for
 from mergeflow.preflight import check_output_format, resolve_inputs
 from mergeflow.records import MergePlan
 from mergeflow.schema import read_model_config
-from mergeflow.tasks.lora_inspect import detect_lora, finish_lora_spec, inspect_adapter_export
-from mergeflow.tasks.targets import pipeline_target, transformer_target
+from mergeflow.lora_inspect import detect_lora, finish_lora_spec, inspect_adapter_export
+from mergeflow.export.targets import pipeline_target, transformer_target
 
 
 def inspect_merge(config: ModelMergerConfig) -> MergePlan:

@@ -25,9 +25,9 @@ from mergeflow.manifest import MANIFEST_NAME, fingerprint
 from mergeflow.records import FileRecord, MergePlan, RankIndex, ShardPlan, ShardRecord, TensorWrite
 from mergeflow.safetensors_format import nbytes
 from mergeflow.tasks.common import RETRY_IO
-from mergeflow.tasks.lora_fuse import BASE_COPY, LORA_FUSE, base_model_source, checkpoint_source
-from mergeflow.tasks.reconstruct import RankStates, check_coverage, output_dtype
-from mergeflow.tasks.write import HEADER_METADATA, write_shard_file
+from mergeflow.lora_fuse import BASE_COPY, LORA_FUSE, base_model_source, checkpoint_source
+from mergeflow.export.reconstruct import RankStates, check_coverage, output_dtype
+from mergeflow.export.shard_writer import HEADER_METADATA, write_shard_file
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 
@@ -166,7 +166,7 @@ def _adapter_shard(plan: MergePlan, lora: LoraPlan, indexes: list[RankIndex]) ->
     metadata = dict(HEADER_METADATA)
     if lora.adapter_format == "diffusers":
         metadata = diffusers_lora_metadata(lora.adapter_config or {})
-    from mergeflow.tasks.lora_inspect import adapter_weights_name
+    from mergeflow.lora_inspect import adapter_weights_name
 
     name = adapter_weights_name(lora.adapter_format)
     body = [asdict(tw) for tw in writes]

@@ -15,7 +15,7 @@ from mergeflow.jsonfiles import write_json_durable
 from mergeflow.manifest import MANIFEST_NAME, SCHEMA_VERSION, fingerprint, producer_versions
 from mergeflow.records import FileRecord, MergePlan, OutputPlan, ShardRecord, ValidationReport
 from mergeflow.tasks.validate import list_tree, manifest_relpath
-from mergeflow.tasks.write import write_component_config, write_weight_index
+from mergeflow.export.shard_writer import write_component_config, write_weight_index
 
 LAYERS_PASSED = {"structure": "passed", "source_round_trip": "passed", "artifact_round_trip": "passed",
                  "integrity": "passed", "runtime": "not_run"}

@@ -10,7 +10,7 @@ import sys
 import time
 
 from mergeflow.flows.cli import main
-from mergeflow.tasks import write
+from mergeflow.export import shard_writer as write
 
 if __name__ == "__main__":
     delay = float(sys.argv[1])

@@ -15,7 +15,7 @@ from builders import assert_bit_exact, leftovers, make_export, output_state, tre
 from mergeflow import merge_model, validate_artifact
 from mergeflow.errors import ValidationError
 from mergeflow.demo.checkpoints import run_tiny_forward
-from mergeflow.tasks.reconstruct import RankStates
+from mergeflow.export.reconstruct import RankStates
 
 CLASSES = [
     "FluxTransformer2DModel",

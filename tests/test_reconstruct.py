@@ -12,9 +12,9 @@ from builders import assert_bit_exact, output_state
 from mergeflow.layout import chunk_sizes, plan_layouts
 from mergeflow.records import TensorWrite
 from mergeflow.demo.checkpoints import save_fsdp_checkpoint
-from mergeflow.tasks.load import index_rank_file
-from mergeflow.tasks.reconstruct import RankStates, all_finite
-from mergeflow.tasks.write import pack_shards, write_shard_file
+from mergeflow.export.rank_index import index_rank_file
+from mergeflow.export.reconstruct import RankStates, all_finite
+from mergeflow.export.shard_writer import pack_shards, write_shard_file
 
 
 class Odd(nn.Module):

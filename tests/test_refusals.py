@@ -329,7 +329,7 @@ def test_cast_that_overflows(tmp_path: Path, prefect_api: object) -> None:
 
 
 def test_input_modified_during_export(ex: Export, prefect_api: object) -> None:
-    from mergeflow.tasks import write
+    from mergeflow.export import shard_writer as write
 
     victim = rank_path(ex, 0)
 
@@ -353,7 +353,7 @@ def test_unsafe_loader_rejects_but_trust_allows_a_harmless_custom_object(ex1: Ex
 
 def test_a_trusted_load_is_never_reused_without_trust(ex1: Export, prefect_api: object) -> None:
     """Parsed rank files are shared within a process; one that needed --trust-checkpoint is not."""
-    from mergeflow.tasks.reconstruct import RankStates
+    from mergeflow.export.reconstruct import RankStates
 
     _edit_plain(ex1, lambda s: s.update({"meta": pickle.loads(pickle.dumps(_Harmless()))}))
     names = ("model_world_size_1_rank_0.pt",)

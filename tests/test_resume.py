@@ -182,7 +182,7 @@ def test_dask_local_cluster_gives_a_byte_identical_artifact(tmp_path: Path, pref
                              dask_address=cluster.scheduler_address)
         with cluster.get_client() as client:
             # Only a task that ran in a worker process makes it import the shard writer.
-            ran_there = client.run(lambda: __import__("sys").modules.get("mergeflow.tasks.write") is not None)
+            ran_there = client.run(lambda: __import__("sys").modules.get("mergeflow.export.shard_writer") is not None)
     assert len(ran_there) == 2 and any(ran_there.values())
     out = Path(result.output_dir)
     assert tree_digest(out) == tree_digest(threaded)

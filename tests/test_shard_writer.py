@@ -18,9 +18,9 @@ from mergeflow.records import ShardPlan, TensorWrite, VerifiedFile
 from mergeflow.streamio import BackgroundFlush, HashingWriter
 from mergeflow.demo.checkpoints import save_fsdp_checkpoint
 from mergeflow import artifact_check
-from mergeflow.tasks import write
-from mergeflow.tasks.load import hash_rank_file, index_rank_file
-from mergeflow.tasks.reconstruct import RankStates, same_bytes
+from mergeflow.export import shard_writer as write
+from mergeflow.export.rank_index import hash_rank_file, index_rank_file
+from mergeflow.export.reconstruct import RankStates, same_bytes
 
 WORLD = 3
 
@@ -191,7 +191,7 @@ def test_rank_hash_refuses_a_file_that_is_not_the_planned_one(tmp_path: Path) ->
 
 
 def test_finite_scan_takes_parameters_and_scalars() -> None:
-    from mergeflow.tasks.reconstruct import all_finite
+    from mergeflow.export.reconstruct import all_finite
 
     assert all_finite(nn.Parameter(torch.randn(10)))
     assert not all_finite(nn.Parameter(torch.tensor([1.0, float("inf")])))

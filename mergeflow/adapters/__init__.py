@@ -2,7 +2,7 @@
 
 An adapter turns the checkpoint's writes (training names and layouts) into the deployed
 layout's writes; a converted write carries a declarative `transform` spec ({"op": ..., "inputs":
-[SOURCE, ...]}, SOURCE as in mergeflow.tasks.lora_fuse). The writer looks the op up here to
+[SOURCE, ...]}, SOURCE as in mergeflow.lora_fuse). The writer looks the op up here to
 produce the tensor; its round trip re-verifies every source and recomputes the written bytes.
 """
 

@@ -178,7 +178,7 @@ def _virtual(name: str, dtype: str, shape: tuple[int, ...]) -> TensorLayout:
 
 
 def _source(write: TensorWrite) -> dict[str, Any]:
-    # The writer's SOURCE record (see mergeflow.tasks.lora_fuse): a tensor of the rank files, or, for a
+    # The writer's SOURCE record (see mergeflow.lora_fuse): a tensor of the rank files, or, for a
     # computed write (a fused LoRA weight), that write's result, so LoRA is fused before conversion.
     if write.transform is None:
         return {"from": "checkpoint", "layout": asdict(write.layout)}

@@ -23,7 +23,7 @@ from mergeflow.manifest import fingerprint
 from mergeflow.paths import check_no_overlap, check_target, lock_path_for, staging_dir_for
 from mergeflow.records import MergePlan
 from mergeflow.schema import model_schema, read_model_config
-from mergeflow.tasks.reconstruct import RankStates
+from mergeflow.export.reconstruct import RankStates
 
 # The native MiniMax H3 package (SPEC section 3) renames and fuses the Diffusers modules (qkv_proj),
 # so an adapter keyed by Diffusers module paths would not load there.
@@ -214,7 +214,7 @@ def finish_lora_spec(
 
 def inspect_adapter_export(config: ModelMergerConfig, spec: LoraSpec) -> MergePlan:
     """Plan the export of a LoRA-only save's adapter: the base may be a Hub id that is not present locally."""
-    from mergeflow.tasks.targets import diffusers_schema
+    from mergeflow.export.targets import diffusers_schema
 
     actor = Path(config.local_dir or "").expanduser().resolve()
     cfg_dir = Path(config.hf_model_config_path or actor / "huggingface").expanduser().resolve()

@@ -11,7 +11,7 @@ import torch
 
 from mergeflow.errors import CheckpointError
 from mergeflow.records import TensorWrite
-from mergeflow.tasks.reconstruct import RankStates, all_finite, primary_chunks, same_bytes
+from mergeflow.export.reconstruct import RankStates, all_finite, primary_chunks, same_bytes
 
 BLOCK = 16 * 1024 * 1024
 RETAINED_BYTES = 64 * 1024 * 1024  # per writer; the read-back only needs to trail the writer a little

@@ -28,7 +28,7 @@ from mergeflow.errors import CheckpointError, InputChangedError
 from mergeflow.layout import TensorLayout
 from mergeflow.lora_math import fuse_bias, fuse_weight
 from mergeflow.records import TensorWrite
-from mergeflow.tasks.reconstruct import RankStates, bits, cast, check_finite, verified_chunks, verify_round_trip
+from mergeflow.export.reconstruct import RankStates, bits, cast, check_finite, verified_chunks, verify_round_trip
 
 LORA_FUSE = "lora_fuse"
 BASE_COPY = "base_copy"

@@ -1,0 +1,291 @@
+"""Writing safetensors shards: header first, bytes streamed from the mmapped rank files, hashed inline, read back."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mergeflow.errors import CheckpointError, DiskFullError
+from mergeflow.fsops import FileStamp, sha256_file
+from mergeflow.jsonfiles import write_json_durable
+from mergeflow.manifest import fingerprint
+from mergeflow.records import OutputPlan, ShardPlan, ShardRecord, TensorWrite
+from mergeflow.streamio import BackgroundFlush, HashingWriter
+from mergeflow.safetensors_format import DTYPES, build_header, nbytes, read_header, torch_dtype
+from mergeflow.staging import file_stamp
+from mergeflow.lora_fuse import transformed_tensor, verify_transformed
+from mergeflow.export.readback import FollowingReadBack, read_exact
+from mergeflow.export.reconstruct import (
+    RankStates,
+    global_pieces,
+    is_cast_in_rank_order,
+    is_streamed,
+    primary_chunks,
+    verified_chunks,
+    verify_round_trip,
+)
+
+WRITE_BLOCK = 16 * 1024 * 1024
+HEADER_METADATA = {"format": "pt"}
+
+# Callbacks (bytes, tensors) for a progress display in the same process; empty by default.
+PROGRESS_HOOKS: list[Callable[[int, int], None]] = []
+
+
+def shard_file_name(weights_name: str, index: int, count: int) -> str:
+    if count == 1:
+        return weights_name
+    stem = weights_name.removesuffix(".safetensors")
+    return f"{stem}-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def pack_shards(writes: list[TensorWrite], max_shard_size: int, weights_name: str, plan_fingerprint: str) -> OutputPlan:
+    """Greedy packing in sorted name order; a tensor above the budget gets a shard of its own."""
+    groups: list[list[TensorWrite]] = []
+    current: list[TensorWrite] = []
+    size = 0
+    for tw in sorted(writes, key=lambda w: w.name):
+        n = nbytes(tw.out_dtype, tw.layout.shape)
+        if current and size + n > max_shard_size:
+            groups.append(current)
+            current, size = [], 0
+        current.append(tw)
+        size += n
+    if current or not groups:
+        groups.append(current)
+    shards = []
+    for i, group in enumerate(groups):
+        name = shard_file_name(weights_name, i, len(groups))
+        body = [(asdict(tw), i) for tw in group]
+        shards.append(
+            ShardPlan(
+                index=i,
+                file_name=name,
+                tensors=tuple(group),
+                nbytes=sum(nbytes(t.out_dtype, t.layout.shape) for t in group),
+                fingerprint=fingerprint([plan_fingerprint, name, body, "write-v2"]),
+            )
+        )
+    total = sum(s.nbytes for s in shards)
+    return OutputPlan(shards=tuple(shards), total_size=total, tensor_count=len(writes), indexed=len(groups) > 1)
+
+
+def file_order(tensors: tuple[TensorWrite, ...]) -> list[TensorWrite]:
+    """Data order inside a file: widest elements first so every tensor stays aligned."""
+    return sorted(tensors, key=lambda t: (-DTYPES[t.out_dtype][1], t.name))
+
+
+def _as_bytes(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+_DISK_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+
+
+def write_shard_file(shard: ShardPlan, states: RankStates, artifact_dir: Path, work_dir: Path) -> ShardRecord:
+    """Write one shard (or reuse a verified one from an earlier attempt) and round-trip verify it."""
+    try:
+        return _write_shard_file(shard, states, artifact_dir, work_dir)
+    except OSError as exc:
+        if exc.errno in _DISK_FULL:
+            raise DiskFullError(
+                f"no space left while writing {shard.file_name} ({os.strerror(exc.errno)}); free space on "
+                f"{artifact_dir.parent} and rerun the same command to resume"
+            ) from None
+        raise
+
+
+def _write_shard_file(shard: ShardPlan, states: RankStates, artifact_dir: Path, work_dir: Path) -> ShardRecord:
+    record_path = work_dir / f"shard-{shard.index:05d}.json"
+    final = artifact_dir / shard.file_name
+    reused = _reusable(record_path, final, shard)
+    if reused is not None:
+        return reused
+    ordered = file_order(shard.tensors)
+    header, entries = build_header([(t.name, t.out_dtype, t.layout.shape) for t in ordered], shard.metadata or HEADER_METADATA)
+    partial = work_dir / f"{shard.file_name}.partial"
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    flush = BackgroundFlush(fd)
+    try:
+        follow = FollowingReadBack(partial, len(header), entries, states)
+        try:
+            digest = _stream_shard(fd, header, entries, ordered, states, follow, flush)
+        except BaseException:
+            follow.abort()
+            raise
+        flush.fsync()  # the disk flush overlaps the checks that are left, which only need the page cache
+        follow.finish()
+        verify_written_shard(partial, shard, states, header)
+        flush.check()
+    except BaseException:
+        flush.abandon()
+        raise
+    finally:
+        flush.join()
+        os.close(fd)
+    os.replace(partial, final)
+    record = ShardRecord(
+        file_name=shard.file_name,
+        sha256=digest,
+        size=final.stat().st_size,
+        tensors={t.name: (t.out_dtype, t.layout.shape) for t in ordered},
+        plan_fingerprint=shard.fingerprint,
+        verified_stamp=FileStamp.of(final),
+    )
+    # The stamp lets a rerun's cache key tell an intact staged file from a changed one.
+    write_json_durable(record_path, {**asdict(record), "stamp": file_stamp(final)})
+    return record
+
+
+def _stream_shard(fd: int, header: bytes, entries: dict[str, Any], ordered: list[TensorWrite], states: RankStates,
+                  follow: FollowingReadBack, flush: BackgroundFlush) -> str:
+    """Write the header and every tensor's bytes in file order; returns the sha256 of the stream.
+
+    Each streamed tensor is handed to `follow` once written, to be read back and compared.
+    """
+    writer = HashingWriter(fd, flush=flush)
+    try:
+        writer.write(memoryview(header))
+        for tw in ordered:
+            # A transform (LoRA fusion) computes the tensor from its sources; otherwise stream the rank pieces.
+            streamed = tw.transform is None and is_streamed(tw.layout, tw.out_dtype)
+            cast_pieces = tw.transform is None and is_cast_in_rank_order(tw.layout, tw.out_dtype)
+            if tw.transform is not None:
+                pieces: Iterable[torch.Tensor] = [transformed_tensor(tw, states)]
+            else:
+                # Finiteness: folded into the read-back for streamed tensors, proven by the cast's
+                # own output check for cast ones (a cast keeps inf/nan); scanned here otherwise.
+                chunks = verified_chunks(tw.layout, states, check_values=not (streamed or cast_pieces))
+                pieces = global_pieces(tw.layout, chunks, tw.out_dtype, tw.name)
+                if cast_pieces:
+                    pieces = list(pieces)  # kept until the read-back has compared them with the file
+            written = 0
+            for piece in pieces:
+                written += writer.write(_as_bytes(piece))
+            if written != entries[tw.name].end - entries[tw.name].begin:
+                raise CheckpointError(f"{tw.name}: wrote {written} bytes, expected {entries[tw.name].end - entries[tw.name].begin}")
+            if streamed:
+                follow.submit(tw)
+            elif cast_pieces:
+                follow.submit(tw, list(pieces))
+            for hook in PROGRESS_HOOKS:
+                hook(written, 1)
+        return writer.hexdigest()
+    finally:
+        writer.close()
+
+
+def open_tensors(path: Path, expected_metadata: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+    """Map a safetensors file read-only-in-effect (MAP_PRIVATE) and view each tensor in it."""
+    entries, metadata, data_start = read_header(path)
+    expected_metadata = expected_metadata or HEADER_METADATA
+    if metadata != expected_metadata:
+        raise CheckpointError(f"{path.name}: header metadata is {metadata}, expected {expected_metadata}")
+    size = path.stat().st_size
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        raw = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
+    out = {}
+    for name, e in entries.items():
+        out[name] = raw[data_start + e.begin : data_start + e.end].view(torch_dtype(e.dtype)).reshape(e.shape)
+    return out
+
+
+def verify_written_shard(path: Path, shard: ShardPlan, states: RankStates, header: bytes) -> None:
+    """Layers 2 and 3 for what the read-back during writing did not cover.
+
+    Streamed and cast tensors were compared while the file was written (FollowingReadBack).
+    Here: the header bytes, the file size, names, shapes and dtypes as safetensors reads
+    them, and every other computed tensor (concatenated, fused). Together every byte of the file
+    is compared with what was meant to be written, so the sha256 hashed while writing is
+    the file's sha256 without reading the file a second time.
+    """
+    from safetensors import safe_open
+
+    if path.stat().st_size != len(header) + shard.nbytes:
+        raise CheckpointError(f"{path.name} is {path.stat().st_size} bytes, expected {len(header) + shard.nbytes}")
+    with open(path, "rb", buffering=0) as handle:
+        on_disk = bytearray(len(header))
+        read_exact(handle, memoryview(on_disk), path.name)
+    if on_disk != header:
+        raise CheckpointError(f"{path.name}: the header read back differs from the header written")
+    with safe_open(str(path), framework="pt") as handle:
+        names = set(handle.keys())
+        for tw in shard.tensors:
+            if tw.name not in names:
+                raise CheckpointError(f"{path.name}: {tw.name} is missing after writing")
+            sl = handle.get_slice(tw.name)
+            if tuple(sl.get_shape()) != tw.layout.shape or sl.get_dtype() != DTYPES[tw.out_dtype][0]:
+                raise CheckpointError(f"{path.name}: {tw.name} was written with the wrong shape or dtype")
+    if names != {t.name for t in shard.tensors}:
+        raise CheckpointError(f"{path.name}: holds tensors that were not planned")
+    computed = [tw for tw in shard.tensors if not read_back_while_writing(tw)]
+    if not computed:
+        return
+    tensors = open_tensors(path, shard.metadata)
+    for tw in computed:
+        if tw.transform is not None:
+            verify_transformed(tw, tensors[tw.name], states)
+        else:
+            verify_round_trip(tw.layout, tensors[tw.name], primary_chunks(tw.layout, states), tw.out_dtype, tw.name)
+
+
+def read_back_while_writing(tw: TensorWrite) -> bool:
+    """Streamed and cast-in-rank-order tensors are compared by the read-back that follows the writer."""
+    return tw.transform is None and (is_streamed(tw.layout, tw.out_dtype) or is_cast_in_rank_order(tw.layout, tw.out_dtype))
+
+
+def _reusable(record_path: Path, final: Path, shard: ShardPlan) -> ShardRecord | None:
+    """A shard from an earlier attempt counts only if its record matches and its bytes hash the same."""
+    if not record_path.is_file() or not final.is_file():
+        return None
+    try:
+        data = json.loads(record_path.read_text())
+        recorded = (data["file_name"], data["sha256"], data["size"], data["plan_fingerprint"])
+        tensors = {k: (v[0], tuple(v[1])) for k, v in data["tensors"].items()}
+    except (ValueError, KeyError, TypeError, IndexError):
+        return None
+    if recorded[3] != shard.fingerprint or final.stat().st_size != recorded[2]:
+        return None
+    stamp = FileStamp.of(final)
+    if sha256_file(final) != recorded[1] or FileStamp.of(final) != stamp:
+        return None
+    return ShardRecord(file_name=recorded[0], sha256=recorded[1], size=recorded[2], tensors=tensors,
+                       plan_fingerprint=recorded[3], verified_stamp=stamp)
+
+
+PATH_KEYS = ("_name_or_path", "name_or_path")
+
+
+def write_component_config(src: Path, dst: Path) -> tuple[bytes, list[str]]:
+    """Copy a config.json, dropping keys that would leak a local path; returns (bytes, removed keys)."""
+    raw = src.read_bytes()
+    data = json.loads(raw)
+    removed = [k for k in PATH_KEYS if k in data]
+    if removed:
+        for key in removed:
+            del data[key]
+        # Diffusers' own save_config format, so the file reads like any saved model's.
+        raw = (json.dumps(data, indent=2, sort_keys=True) + "\n").encode("utf-8")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    from mergeflow.jsonfiles import write_bytes_durable
+
+    write_bytes_durable(dst, raw)
+    return raw, removed
+
+
+def write_weight_index(output: OutputPlan, weights_name: str, tensor_dir: Path) -> bytes | None:
+    """The Diffusers index file for multi-shard output (None for a single file)."""
+    if not output.indexed:
+        return None
+    weight_map = {t.name: s.file_name for s in output.shards for t in s.tensors}
+    index = {"metadata": {"total_size": output.total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    return write_json_durable(tensor_dir / f"{weights_name}.index.json", index, indent=2)
