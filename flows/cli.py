@@ -125,11 +125,13 @@ def _running_flows() -> Iterator[None]:
 
 
 def cmd_merge(args: argparse.Namespace) -> dict[str, Any]:
+    from mergeflow.prefetch import DigestPrefetch
     from mergeflow.preflight import preflight_merge
 
     config = _config_from(args, "merge")
-    preflight_merge(config)  # refusals that need no tensor data answer before any server or Prefect import
-    _start_rank_digests(config)
+    rank_files = preflight_merge(config)  # refusals that need no tensor data answer before any server or Prefect import
+    # The manifest's rank-file digests: hashed from now on, on the core the imports leave idle.
+    DigestPrefetch.start(rank_files)
     with _running_flows():
         from mergeflow.flows.api import merge_model
         from mergeflow.flows.progress import stderr_progress
@@ -140,17 +142,6 @@ def cmd_merge(args: argparse.Namespace) -> dict[str, Any]:
     if result.upload is not None:
         out["upload"] = result.upload
     return out
-
-
-def _start_rank_digests(config: ModelMergerConfig) -> None:
-    """Start hashing the rank files for the manifest now, on the core that imports leave idle."""
-    from pathlib import Path
-
-    from mergeflow.checkpoint import rank_file_names, read_fsdp_config
-    from mergeflow.prefetch import DigestPrefetch
-
-    actor = Path(config.local_dir or "").expanduser().resolve()
-    DigestPrefetch.start([actor / name for name in rank_file_names(actor, read_fsdp_config(actor).world_size)])
 
 
 def cmd_test(args: argparse.Namespace) -> dict[str, Any]:

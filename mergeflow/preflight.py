@@ -54,20 +54,24 @@ def check_output_format(config: ModelMergerConfig, layout: BaseLayout) -> None:
                          "use --output_format transformer for a standalone transformer base")
 
 
-def preflight_merge(config: ModelMergerConfig) -> None:
-    """Refuse a merge whose flags, paths, fsdp_config.json, rank-file set or classes are wrong."""
+def preflight_merge(config: ModelMergerConfig) -> list[Path]:
+    """Refuse a merge whose flags, paths, fsdp_config.json, rank-file set or classes are wrong.
+
+    Returns the rank files it found, so the caller can start hashing them at once.
+    """
     config.validate()
     actor = Path(config.local_dir or "").expanduser().resolve()
     if not actor.is_dir():
         raise CheckpointError(f"--local_dir {actor} is not a directory")
     fsdp = read_fsdp_config(actor)
-    rank_file_names(actor, fsdp.world_size)
+    rank_files = [actor / name for name in rank_file_names(actor, fsdp.world_size)]
     has_meta = (actor / LORA_META).is_file()
     _check_lora_flags(config, has_meta)
     if has_meta and not config.fuse_lora:
         _preflight_maybe_adapter(config, actor)
     else:
         _preflight_with_base(config)
+    return rank_files
 
 
 def _check_lora_flags(config: ModelMergerConfig, has_meta: bool) -> None:

@@ -22,55 +22,10 @@ def diffusers_model_class(class_name: str) -> type:
     import diffusers
     from diffusers import ModelMixin
 
-    cls = _import_model_module_alone(class_name) or getattr(diffusers, class_name, None)
+    cls = getattr(diffusers, class_name, None)
     if not (isinstance(cls, type) and issubclass(cls, ModelMixin)):
         raise BaseModelError(f"unknown model class {class_name!r}: it is not a Diffusers model class in diffusers {diffusers.__version__}")
     return cls
-
-
-def _import_model_module_alone(class_name: str) -> type | None:
-    """Import only the module that defines a Diffusers model class, or return None.
-
-    `diffusers.models.transformers/__init__.py` eagerly imports all ~70 transformer modules
-    (1.2 s of a CLI run) although an export needs one. Its package is stood in for while the one
-    module is imported, then removed again: a later normal import runs the real `__init__`,
-    which finds that module already imported, so every name keeps a single class object.
-    Anything unexpected returns None and the normal (eager) import is used.
-    """
-    import importlib
-    import importlib.util
-    import sys
-    import types
-
-    import diffusers.models
-
-    relative = vars(diffusers.models).get("_class_to_module", {}).get(class_name)
-    if not isinstance(relative, str) or relative.count(".") != 1:
-        return None
-    package_name = f"diffusers.models.{relative.split('.')[0]}"
-    module_name = f"diffusers.models.{relative}"
-    if module_name in sys.modules or package_name in sys.modules:
-        return getattr(sys.modules.get(module_name), class_name, None)
-    spec = importlib.util.find_spec(package_name)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    stand_in = types.ModuleType(package_name)
-    stand_in.__path__ = list(spec.submodule_search_locations)
-    stand_in.__spec__ = spec
-    stand_in.__package__ = package_name
-    sys.modules[package_name] = stand_in
-    try:
-        module = importlib.import_module(module_name)
-    except Exception:
-        sys.modules.pop(module_name, None)
-        return None
-    finally:
-        if sys.modules.get(package_name) is stand_in:
-            del sys.modules[package_name]
-        if vars(diffusers.models).get(relative.split(".")[0]) is stand_in:  # vars: no lazy import
-            delattr(diffusers.models, relative.split(".")[0])
-    cls = getattr(module, class_name, None)
-    return cls if isinstance(cls, type) else None
 
 
 def meta_model(cls: type, config: dict[str, Any]) -> torch.nn.Module:
