@@ -16,7 +16,7 @@ def floor_seconds(files: list[Path], out: Path, *, early_writeback: bool = False
     early_writeback: also start writeback every 64 MB (sync_file_range, as mergeflow's writer
     does), so the floor is not held back by a gigabyte of dirty pages waiting for the fsync.
     """
-    from mergeflow.streamio import start_writeback
+    from mergeflow.io.streamio import start_writeback
 
     digest = hashlib.sha256()
     buf = bytearray(BLOCK)

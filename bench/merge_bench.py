@@ -152,7 +152,7 @@ def main() -> int:
 
 
 def _tensor_count(base: Path) -> int:
-    from mergeflow.safetensors_format import read_header
+    from mergeflow.formats.safetensors_format import read_header
 
     return sum(len(read_header(p)[0]) for p in base.glob("*.safetensors"))
 

@@ -32,35 +32,35 @@ os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
 
 def merge_direct(config: Any) -> dict[str, str]:
     """The merge flow's steps for a plain (non-LoRA) export, called directly: no Prefect at all."""
-    from mergeflow.fsops import TargetLock
-    from mergeflow.paths import check_target
-    from mergeflow.tasks.inspect import inspect_merge
+    from mergeflow.io.fs import TargetLock
+    from mergeflow.io.paths import check_target
+    from mergeflow.export.plan import build_plan
     from mergeflow.export.rank_index import hash_rank_file, index_rank_file
-    from mergeflow.tasks.publish import finalize_staging, publish_staged, relative_to_artifact
+    from mergeflow.export.publish import finalize_staging, publish_staged
     from mergeflow.export.reconstruct import RankStates, plan_tensor_writes
-    from mergeflow.tasks.validate import validate_staged
+    from mergeflow.export.staged_check import validate_staged
     from mergeflow.export.shard_writer import pack_shards, write_shard_file
 
-    plan = inspect_merge(config)
-    trust = bool(plan.config.get("trust_checkpoint"))
-    with TargetLock(Path(plan.lock)), ThreadPoolExecutor(max_workers=config.workers) as pool:
-        check_target(Path(plan.target))
-        indexes = list(pool.map(lambda r: index_rank_file(Path(plan.actor_dir), plan.rank_files[r], r, trust_checkpoint=trust),
-                                range(plan.world_size)))
-        output = pack_shards(plan_tensor_writes(plan, indexes), plan.config["max_shard_size"], plan.weights_name, plan.fingerprint)
-        artifact_dir, work_dir = Path(plan.tensor_dir), Path(plan.work_dir)
+    plan = build_plan(config)
+    trust = plan.options.trust_checkpoint
+    with TargetLock(Path(plan.output.lock)), ThreadPoolExecutor(max_workers=config.workers) as pool:
+        check_target(Path(plan.output.target))
+        indexes = list(pool.map(lambda r: index_rank_file(Path(plan.checkpoint.actor_dir), plan.checkpoint.rank_files[r], r, trust_checkpoint=trust),
+                                range(plan.checkpoint.world_size)))
+        output = pack_shards(plan_tensor_writes(plan, indexes), plan.options.max_shard_size, plan.output.weights_name, plan.fingerprint)
+        artifact_dir, work_dir = Path(plan.output.tensor_dir), Path(plan.output.work_dir)
         artifact_dir.mkdir(parents=True, exist_ok=True)
         work_dir.mkdir(parents=True, exist_ok=True)
 
         def write(shard: Any) -> Any:  # like the task: its own view of the rank files per shard
-            return write_shard_file(shard, RankStates(Path(plan.actor_dir), plan.rank_files, trust_checkpoint=trust),
+            return write_shard_file(shard, RankStates(Path(plan.checkpoint.actor_dir), plan.checkpoint.rank_files, trust_checkpoint=trust),
                                     artifact_dir, work_dir)
 
         writes = [pool.submit(write, shard) for shard in output.shards]
-        hashes = {name: pool.submit(hash_rank_file, Path(plan.actor_dir), name) for name in plan.rank_files}
+        hashes = {name: pool.submit(hash_rank_file, Path(plan.checkpoint.actor_dir), name) for name in plan.checkpoint.rank_files}
         records = [w.result() for w in writes]
         manifest = finalize_staging(plan, output, {name: h.result() for name, h in hashes.items()}, records)
-        verified = {relative_to_artifact(plan, r.file_name): r.verified() for r in records}
+        verified = {plan.output.relative(r.file_name): r.verified() for r in records}
         return publish_staged(plan, validate_staged(plan, manifest, verified))
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mergeflow.config import MergeResult, ModelMergerConfig
+from mergeflow.config import DEFAULT_TASK_RUNNER, MergeResult, ModelMergerConfig
 from mergeflow.flows.merge import merge_flow
 from mergeflow.flows.runners import make_task_runner
 from mergeflow.flows.validate import validate_flow
 
 
-def merge_model(config: ModelMergerConfig, *, task_runner: str = "thread", dask_address: str | None = None) -> MergeResult:
+def merge_model(config: ModelMergerConfig, *, task_runner: str = DEFAULT_TASK_RUNNER, dask_address: str | None = None) -> MergeResult:
     """Run the merge flow for `config` (threads, or Dask with task_runner="dask") and return where it was published."""
     config.validate()
     runner = make_task_runner(task_runner, workers=config.workers, dask_address=dask_address)
@@ -20,5 +20,5 @@ def merge_model(config: ModelMergerConfig, *, task_runner: str = "thread", dask_
 
 
 def validate_artifact(path: str | Path) -> dict[str, Any]:
-    """Run the validate flow on a published (or staged) artifact; raises ValidationError on any defect."""
+    """Run the validate flow on a published (or staged) artifact; raises ArtifactInvalidError on any defect."""
     return validate_flow(test_hf_dir=str(path))

@@ -24,7 +24,7 @@ def artifact_key(prefix: str, name: str) -> str:
 def start_progress(plan: MergePlan, total_shards: int) -> UUID | None:
     return create_progress_artifact(
         progress=0.0,
-        key=artifact_key("merge-progress", plan.target.rsplit("/", 1)[-1]),
+        key=artifact_key("merge-progress", plan.output.target.rsplit("/", 1)[-1]),
         description=f"Shards written and verified (of {total_shards})",
     )
 
@@ -36,7 +36,7 @@ def report_progress(artifact_id: UUID | None, done: int, total: int) -> None:
 
 def publish_manifest_artifacts(plan: MergePlan, manifest: dict[str, Any], output_dir: str) -> None:
     """The manifest as a table (one row per file) and a markdown summary of the export."""
-    name = plan.target.rsplit("/", 1)[-1]
+    name = plan.output.target.rsplit("/", 1)[-1]
     rows = [{"file": rel, "sha256": digest} for rel, digest in manifest["files"].items()]
     create_table_artifact(table=rows, key=artifact_key("merge-manifest", name), description="Files of the published artifact and their sha256")
     total = sum(
@@ -50,7 +50,7 @@ def publish_manifest_artifacts(plan: MergePlan, manifest: dict[str, Any], output
         "|---|---|",
         f"| output | `{output_dir}` |",
         f"| artifact type | {manifest['artifact_type']} |",
-        f"| world size | {plan.world_size} (FSDP v{plan.fsdp_version}) |",
+        f"| world size | {plan.checkpoint.world_size} (FSDP v{plan.checkpoint.fsdp_version}) |",
         f"| tensors | {len(manifest['tensors'])} ({total / 1e6:.1f} MB) |",
         f"| files | {len(manifest['files']) + 1} |",
         f"| dtype policy | {manifest['dtype']} |",
@@ -68,6 +68,6 @@ def _numel(shape: list[int]) -> int:
 
 
 def _itemsize(dtype: str) -> int:
-    from mergeflow.safetensors_format import DTYPES
+    from mergeflow.formats.safetensors_format import DTYPES
 
     return DTYPES[dtype][1]

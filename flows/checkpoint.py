@@ -14,8 +14,15 @@ from typing import Any
 from prefect import flow
 from prefect.runtime import flow_run
 
-from mergeflow.checkpoint import step_of
-from mergeflow.config import DEFAULT_MAX_SHARD_SIZE, ModelMergerConfig
+from mergeflow.formats.verl_checkpoint import step_of
+from mergeflow.config import (
+    DEFAULT_DTYPE,
+    DEFAULT_MAX_SHARD_SIZE,
+    DEFAULT_OUTPUT_FORMAT,
+    DEFAULT_TASK_RUNNER,
+    DEFAULT_WORKERS,
+    ModelMergerConfig,
+)
 from mergeflow.errors import UsageError
 from mergeflow.flows.merge import merge_flow
 from mergeflow.flows.runners import make_task_runner
@@ -68,12 +75,12 @@ def resolve_checkpoint_config(
     *,
     base_model: str | None = None,
     target_root: str | None = None,
-    output_format: str = "pipeline",
-    dtype: str = "preserve",
+    output_format: str = DEFAULT_OUTPUT_FORMAT,
+    dtype: str = DEFAULT_DTYPE,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     hf_upload_path: str | None = None,
     private: bool = False,
-    workers: int = 2,
+    workers: int = DEFAULT_WORKERS,
 ) -> ModelMergerConfig:
     """The merge config for one event payload; payload keys override the served defaults."""
     if not isinstance(checkpoint, dict) or "local_dir" not in checkpoint:
@@ -120,13 +127,13 @@ def merge_checkpoint_flow(
     checkpoint: dict[str, Any],
     base_model: str | None = None,
     target_root: str | None = None,
-    output_format: str = "pipeline",
-    dtype: str = "preserve",
+    output_format: str = DEFAULT_OUTPUT_FORMAT,
+    dtype: str = DEFAULT_DTYPE,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     hf_upload_path: str | None = None,
     private: bool = False,
-    workers: int = 2,
-    task_runner: str = "thread",
+    workers: int = DEFAULT_WORKERS,
+    task_runner: str = DEFAULT_TASK_RUNNER,
     dask_address: str | None = None,
 ) -> dict[str, Any]:
     """Export the checkpoint an event names (payload keys override these defaults)."""

@@ -11,7 +11,17 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from mergeflow.config import DEFAULT_MAX_SHARD_SIZE, ModelMergerConfig
+from mergeflow.config import (
+    ADAPTER_FORMATS,
+    DEFAULT_DTYPE,
+    DEFAULT_MAX_SHARD_SIZE,
+    DEFAULT_OUTPUT_FORMAT,
+    DEFAULT_WORKERS,
+    DTYPES,
+    OUTPUT_FORMATS,
+    QKV_LAYOUTS,
+    ModelMergerConfig,
+)
 from mergeflow.errors import MergeflowError
 from mergeflow.flows.ops_cli import OPS_COMMANDS, add_ops_commands, add_task_runner_flags
 
@@ -48,8 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(merge)
     _flag(merge, "--target_dir", "--target-dir", dest="target_dir", help="output directory (must not exist)")
     _flag(merge, "--base_model", "--base-model", dest="base_model", help="local base pipeline or transformer directory")
-    _flag(merge, "--output_format", "--output-format", dest="output_format", default="pipeline", choices=["pipeline", "transformer"])
-    _flag(merge, "--dtype", default="preserve", choices=["preserve", "float32", "float16", "bfloat16"])
+    _flag(merge, "--output_format", "--output-format", dest="output_format", default=DEFAULT_OUTPUT_FORMAT, choices=OUTPUT_FORMATS)
+    _flag(merge, "--dtype", default=DEFAULT_DTYPE, choices=DTYPES)
     _flag(merge, "--max_shard_size", "--max-shard-size", dest="max_shard_size", type=_positive_int, default=DEFAULT_MAX_SHARD_SIZE)
     _flag(merge, "--hf_upload_path", "--hf-upload-path", dest="hf_upload_path", help="ORG/REPO to upload to after publishing")
     _flag(merge, "--private", action="store_true", help="create the Hub repo private")
@@ -57,11 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
           help="permit full (unsafe) unpickling of rank files the safe loader refuses")
     _flag(merge, "--adapter-name", "--adapter_name", dest="adapter_name", default="default")
     _flag(merge, "--fuse-lora", "--fuse_lora", dest="fuse_lora", action="store_true")
-    _flag(merge, "--adapter-format", "--adapter_format", dest="adapter_format", default="peft", choices=["peft", "diffusers"])
+    _flag(merge, "--adapter-format", "--adapter_format", dest="adapter_format", default="peft", choices=ADAPTER_FORMATS)
     _flag(merge, "--adapter-config", "--adapter_config", dest="adapter_config", help="PEFT adapter_config.json of the trained adapter")
     _flag(merge, "--component", default="transformer", help="pipeline component the checkpoint replaces")
-    _flag(merge, "--qkv-layout", "--qkv_layout", dest="qkv_layout", default="interleaved", choices=["interleaved", "stacked"])
-    _flag(merge, "--workers", type=int, default=2, help="parallel shard writers")
+    _flag(merge, "--qkv-layout", "--qkv_layout", dest="qkv_layout", default="interleaved", choices=QKV_LAYOUTS)
+    _flag(merge, "--workers", type=int, default=DEFAULT_WORKERS, help="parallel shard writers")
     add_task_runner_flags(merge)
 
     test = sub.add_parser("test", help="validate a published artifact without its source")
@@ -125,8 +135,8 @@ def _running_flows() -> Iterator[None]:
 
 
 def cmd_merge(args: argparse.Namespace) -> dict[str, Any]:
-    from mergeflow.prefetch import DigestPrefetch
-    from mergeflow.preflight import preflight_merge
+    from mergeflow.io.prefetch import DigestPrefetch
+    from mergeflow.export.preflight import preflight_merge
 
     config = _config_from(args, "merge")
     rank_files = preflight_merge(config)  # refusals that need no tensor data answer before any server or Prefect import
@@ -147,7 +157,7 @@ def cmd_merge(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_test(args: argparse.Namespace) -> dict[str, Any]:
     # In-process, without Prefect or torch: starting Prefect (let alone a temporary server) would
     # cost many times the checks. The validate flow (UI reruns, the API) runs this same function.
-    from mergeflow.artifact_check import check_artifact
+    from mergeflow.export.artifact_check import check_artifact
 
     return check_artifact(args.test_hf_dir)
 
@@ -155,7 +165,7 @@ def cmd_test(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_inspect(args: argparse.Namespace) -> dict[str, Any]:
     from pathlib import Path
 
-    from mergeflow.tasks.inspect import describe_checkpoint
+    from mergeflow.export.describe import describe_checkpoint
 
     return describe_checkpoint(Path(args.local_dir), trust_checkpoint=args.trust_checkpoint)
 
@@ -219,8 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     except MergeflowError as exc:
         if debug:
             traceback.print_exc()
-        staging = getattr(exc, "staging_dir", None)
-        note = f" (work kept for resume in {staging}; rerun the same command to resume)" if staging else ""
+        note = f" (work kept for resume in {exc.staging_dir}; rerun the same command to resume)" if exc.staging_dir else ""
         print(f"mergeflow: error: {exc}{note}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:

@@ -11,19 +11,19 @@ from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import flow_run
 from prefect.utilities.annotations import opaque
 
-from mergeflow.adapters import convert_writes
+from mergeflow.architectures.conversions import convert_writes
 from mergeflow.config import ModelMergerConfig
 from mergeflow.errors import MergeflowError, UploadError
-from mergeflow.fsops import TargetLock
-from mergeflow.lora_artifact import ADAPTER_DIR
-from mergeflow.paths import check_target
-from mergeflow.prefetch import DigestPrefetch
+from mergeflow.io.fs import TargetLock
+from mergeflow.lora.artifact import ADAPTER_DIR
+from mergeflow.io.paths import check_target
+from mergeflow.io.prefetch import DigestPrefetch
 from mergeflow.records import MergePlan, ShardRecord
-from mergeflow.tasks.copy import copy_components
-from mergeflow.tasks.inspect import inspect_inputs
+from mergeflow.tasks.copy_components import copy_components
+from mergeflow.tasks.inspect_inputs import inspect_inputs
 from mergeflow.tasks.load import hash_rank, load_rank_shards
 from mergeflow.tasks.lora import plan_lora, plan_lora_writes, write_lora_adapter
-from mergeflow.tasks.publish import publish, relative_to_artifact, write_metadata
+from mergeflow.tasks.publish import publish, write_metadata
 from mergeflow.export.reconstruct import RankStates
 from mergeflow.tasks.reconstruct import plan_reconstruction
 from mergeflow.tasks.upload import upload_to_hub
@@ -58,20 +58,20 @@ def light_submit(value: Any) -> Any:
 
 
 def submit_rank_hashes(plan: MergePlan) -> list[PrefectFuture[str]]:
-    return [hash_rank.submit(light_submit(plan), rank) for rank in range(plan.world_size)]
+    return [hash_rank.submit(light_submit(plan), rank) for rank in range(plan.checkpoint.world_size)]
 
 
 def rank_digests(plan: MergePlan, futures: list[PrefectFuture[str]]) -> dict[str, str]:
-    return {plan.rank_files[rank]: future.result() for rank, future in enumerate(futures)}
+    return {plan.checkpoint.rank_files[rank]: future.result() for rank, future in enumerate(futures)}
 
 
 def run_export(plan: MergePlan) -> tuple[dict[str, str], dict[str, Any]]:
     """The steps after inspection, run while the target lock is held."""
     logger = get_run_logger()
-    check_target(Path(plan.target))  # re-checked under the lock: another export may have finished
-    rank_futures = [load_rank_shards.submit(light_submit(plan), rank) for rank in range(plan.world_size)]
+    check_target(Path(plan.output.target))  # re-checked under the lock: another export may have finished
+    rank_futures = [load_rank_shards.submit(light_submit(plan), rank) for rank in range(plan.checkpoint.world_size)]
     indexes = [f.result() for f in rank_futures]
-    logger.info("Indexed %d rank files of world size %d", len(indexes), plan.world_size)
+    logger.info("Indexed %d rank files of world size %d", len(indexes), plan.checkpoint.world_size)
     lora = plan_lora(light(plan), light(indexes)) if plan.lora is not None else None
     hashes: list[PrefectFuture[str]] | None = None
     adapter = None
@@ -83,10 +83,10 @@ def run_export(plan: MergePlan) -> tuple[dict[str, str], dict[str, Any]]:
         return publish(light(plan), validate_staged_task(light(plan), adapter.manifest, light(verified))), adapter.manifest
     writes = (plan_lora_writes(light(plan), light(lora), light(indexes)) if lora is not None
               else plan_reconstruction(light(plan), light(indexes)))
-    writes = convert_writes(plan.extras, writes)  # architecture adapters (native MiniMax H3); else unchanged
+    writes = convert_writes(plan.conversion, writes)  # architecture adapters (native MiniMax H3); else unchanged
     # Pipeline assets are copied while the shards are written.
-    copy_future = copy_components.submit(light_submit(plan)) if plan.copy_files else None
-    output = pack_shards(writes, plan.config["max_shard_size"], plan.weights_name, plan.fingerprint)
+    copy_future = copy_components.submit(light_submit(plan)) if plan.base.copy_files else None
+    output = pack_shards(writes, plan.options.max_shard_size, plan.output.weights_name, plan.fingerprint)
     progress = start_progress(plan, len(output.shards))
     futures = [write_shard.submit(light_submit(plan), light_submit(shard)) for shard in output.shards]
     if hashes is None:
@@ -103,7 +103,7 @@ def run_export(plan: MergePlan) -> tuple[dict[str, str], dict[str, Any]]:
     extra_files = (list(adapter.files) if adapter else []) + (list(copied.files) if copied else [])
     manifest = write_metadata(light(plan), light(output), rank_digests(plan, hashes), light(ordered), extra_files or None,
                               lora.fusion_record() if lora else None)
-    verified = {relative_to_artifact(plan, r.file_name): r.verified() for r in ordered}
+    verified = {plan.output.relative(r.file_name): r.verified() for r in ordered}
     if adapter is not None:
         verified[f"{ADAPTER_DIR}/{adapter.shard.file_name}"] = adapter.shard.verified()
     report = validate_staged_task(light(plan), light(manifest), light(verified))
@@ -116,12 +116,12 @@ def merge_flow(config: ModelMergerConfig) -> dict[str, Any]:
     """Export an FSDP checkpoint as a verified, atomically published artifact."""
     try:
         plan = inspect_inputs(config)
-        lock = TargetLock(Path(plan.lock)).acquire()
+        lock = TargetLock(Path(plan.output.lock)).acquire()
         try:
             result, manifest = run_export(plan)
         except MergeflowError as exc:
-            if Path(plan.staging).exists():
-                exc.staging_dir = plan.staging  # type: ignore[attr-defined]
+            if Path(plan.output.staging).exists():
+                raise exc.kept_in(plan.output.staging)
             raise
         finally:
             lock.release()

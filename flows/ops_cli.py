@@ -10,15 +10,22 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from mergeflow.config import DEFAULT_MAX_SHARD_SIZE, DTYPES, OUTPUT_FORMATS
+from mergeflow.config import (
+    DEFAULT_DTYPE,
+    DEFAULT_MAX_SHARD_SIZE,
+    DEFAULT_OUTPUT_FORMAT,
+    DEFAULT_TASK_RUNNER,
+    DEFAULT_WORKERS,
+    DTYPES,
+    OUTPUT_FORMATS,
+    TASK_RUNNERS,
+)
 from mergeflow.errors import ConcurrentExportError
-
-TASK_RUNNER_CHOICES = ("thread", "dask")
 
 
 def add_task_runner_flags(parser: argparse.ArgumentParser) -> None:
     """--task-runner thread|dask and --dask-address (merge and serve)."""
-    parser.add_argument("--task-runner", "--task_runner", dest="task_runner", default="thread", choices=TASK_RUNNER_CHOICES,
+    parser.add_argument("--task-runner", "--task_runner", dest="task_runner", default=DEFAULT_TASK_RUNNER, choices=TASK_RUNNERS,
                         help="run rank and shard tasks in threads (default) or on a Dask cluster")
     parser.add_argument("--dask-address", "--dask_address", dest="dask_address", default=None,
                         help="scheduler address of a running Dask cluster (default: a temporary local cluster)")
@@ -30,13 +37,13 @@ def add_ops_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     serve.add_argument("--base_model", "--base-model", dest="base_model", required=True, help="local base model directory")
     serve.add_argument("--target-root", "--target_root", dest="target_root", required=True,
                        help="exports go to TARGET_ROOT/<run_name>/global_step_<step> unless an event names a target")
-    serve.add_argument("--output_format", "--output-format", dest="output_format", default="pipeline", choices=list(OUTPUT_FORMATS))
-    serve.add_argument("--dtype", default="preserve", choices=list(DTYPES))
+    serve.add_argument("--output_format", "--output-format", dest="output_format", default=DEFAULT_OUTPUT_FORMAT, choices=OUTPUT_FORMATS)
+    serve.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPES)
     serve.add_argument("--max_shard_size", "--max-shard-size", dest="max_shard_size", type=int, default=DEFAULT_MAX_SHARD_SIZE)
     serve.add_argument("--hf_upload_path", "--hf-upload-path", dest="hf_upload_path",
                        help="ORG/REPO to upload each export to; may use {run_name} and {step}")
     serve.add_argument("--private", action="store_true")
-    serve.add_argument("--workers", type=int, default=2, help="parallel shard writers per merge")
+    serve.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help="parallel shard writers per merge")
     serve.add_argument("--limit", type=int, default=1, help="merges running at the same time (default 1)")
     add_task_runner_flags(serve)
     serve.add_argument("--debug", action="store_true")
@@ -75,7 +82,7 @@ def _stop_on_signals() -> Iterator[threading.Event]:
 
 
 def cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
-    from mergeflow.deployments.serve import MERGE_DEPLOYMENT, VALIDATE_DEPLOYMENT, ServeSettings, serve_deployments
+    from mergeflow.flows.serve import MERGE_DEPLOYMENT, VALIDATE_DEPLOYMENT, ServeSettings, serve_deployments
 
     settings = ServeSettings(
         base_model=args.base_model, target_root=args.target_root, output_format=args.output_format, dtype=args.dtype,
@@ -107,7 +114,7 @@ def cmd_watch(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_staging(args: argparse.Namespace) -> dict[str, Any]:
-    from mergeflow.staging import clean_staging, list_staging
+    from mergeflow.io.staging import clean_staging, list_staging
 
     root = Path(args.dir)
     if args.action == "list":

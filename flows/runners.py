@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
+from mergeflow.config import DEFAULT_TASK_RUNNER, DEFAULT_WORKERS, TASK_RUNNERS
 from mergeflow.errors import UsageError
 
-TASK_RUNNERS = ("thread", "dask")
 
-
-def make_task_runner(kind: str = "thread", *, workers: int = 2, dask_address: str | None = None) -> TaskRunner:
+def make_task_runner(kind: str = DEFAULT_TASK_RUNNER, *, workers: int = DEFAULT_WORKERS, dask_address: str | None = None) -> TaskRunner:
     """A thread pool of `workers`, or prefect-dask's runner on the cluster at `dask_address`.
 
     Without an address the Dask runner starts a temporary local cluster of `workers`

@@ -8,7 +8,7 @@ from typing import Any
 from prefect import flow
 from prefect.runtime import flow_run
 
-from mergeflow.artifact_check import artifact_to_check
+from mergeflow.export.artifact_check import artifact_to_check
 from mergeflow.tasks.validate import validate_artifact_task
 
 

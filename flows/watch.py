@@ -21,9 +21,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from mergeflow.checkpoint import FSDP_CONFIG, RANK_FILE_RE, step_of
+from mergeflow.formats.verl_checkpoint import FSDP_CONFIG, RANK_FILE_RE, step_of
 from mergeflow.errors import CheckpointError, UsageError
-from mergeflow.jsonfiles import read_json_strict
+from mergeflow.io.jsonfiles import read_json_strict
 from mergeflow.flows.watch_state import STATE_FILE_NAME, WatchState
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -347,7 +347,7 @@ def watch(
     timeout: float | None = None,
 ) -> list[CheckpointCandidate]:
     """Emit `mergeflow.checkpoint.saved` once per completed checkpoint (`mergeflow watch`)."""
-    from mergeflow.events import checkpoint_saved, configured_api_url
+    from mergeflow.flows.events import checkpoint_saved, configured_api_url
 
     configured_api_url()  # fail at start, not at the first checkpoint hours later
     if target_dir_template is not None:

@@ -1,6 +1,6 @@
 """mergeflow: FSDP2 diffusion checkpoints in, verified and published Diffusers artifacts out.
 
-The public API is exposed lazily so that importing a domain module (``mergeflow.manifest``,
+The public API is exposed lazily so that importing a domain module (``mergeflow.formats.manifest``,
 say) never pulls in Prefect or the flows that import the domain back.
 """
 

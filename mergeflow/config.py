@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from mergeflow.errors import UsageError
 
-DEFAULT_MAX_SHARD_SIZE = 2 * 1024**3
+# The choices and defaults of every entry point (CLI flags, served deployments, the checkpoint
+# flow's parameters): defined once here, read everywhere else.
 OUTPUT_FORMATS = ("pipeline", "transformer")
 DTYPES = ("preserve", "float32", "float16", "bfloat16")
 ADAPTER_FORMATS = ("peft", "diffusers")
 QKV_LAYOUTS = ("interleaved", "stacked")
+TASK_RUNNERS = ("thread", "dask")
+DEFAULT_OUTPUT_FORMAT = "pipeline"
+DEFAULT_DTYPE = "preserve"
+DEFAULT_MAX_SHARD_SIZE = 2 * 1024**3
+DEFAULT_WORKERS = 2
+DEFAULT_TASK_RUNNER = "thread"
 
 
 @dataclass
@@ -29,9 +36,9 @@ class ModelMergerConfig:
     local_dir: str | None = None
     hf_model_config_path: str | None = None
     base_model: str | None = None
-    output_format: str = "pipeline"
+    output_format: str = DEFAULT_OUTPUT_FORMAT
     adapter_name: str = "default"
-    dtype: str = "preserve"
+    dtype: str = DEFAULT_DTYPE
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
     trust_checkpoint: bool = False
     fuse_lora: bool = False
@@ -40,8 +47,7 @@ class ModelMergerConfig:
     adapter_format: str = "peft"
     adapter_config: str | None = None
     qkv_layout: str = "interleaved"
-    workers: int = 2
-    extra: dict[str, Any] = field(default_factory=dict)
+    workers: int = DEFAULT_WORKERS
 
     def __post_init__(self) -> None:
         if self.hf_model_config_path is None and self.local_dir is not None:

@@ -1,17 +1,81 @@
-"""One error hierarchy. Every message says what is wrong and what the user can do."""
+"""One error hierarchy. Every message says what is wrong and what the user can do, in one line.
+
+Each class declares what it carries: `exit_code` (the CLI's exit status), `retryable` (read by the
+tasks' retry policy: a refusal of the input stays a refusal on the next try, an I/O hiccup may
+not), and, for a failed export, `staging_dir` (the kept work a rerun resumes from). Builtin bases
+where they fit: a full disk is an `OSError`, so code that handles OSErrors handles it too.
+"""
 
 from __future__ import annotations
+
+import re
+
+# C0 and C1 control characters (terminal escape sequences start with one), DEL included.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]+")
+
+
+def one_line(text: str) -> str:
+    """`text` as one printable line: control characters and newlines become single spaces."""
+    return _CONTROL.sub(" ", text).strip()
 
 
 class MergeflowError(Exception):
     """Base of every error mergeflow raises on purpose; the CLI prints it as one line."""
 
-    exit_code = 2
+    exit_code: int = 2
+    retryable: bool = False
 
+    def __init__(self, message: str, *, staging_dir: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.staging_dir = staging_dir
+
+    def __str__(self) -> str:
+        # Messages quote input (file names, config values): nothing from them reaches a terminal raw.
+        return one_line(self.message)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Prefect pickles a failed task's exception into its state: keep the declared fields.
+        return (_rebuild, (type(self), self.message, self.staging_dir))
+
+    def kept_in(self, staging_dir: str) -> MergeflowError:
+        """This error, noting the staging directory kept for a resume; returns self for `raise`."""
+        self.staging_dir = staging_dir
+        return self
+
+
+def _rebuild(cls: type[MergeflowError], message: str, staging_dir: str | None) -> MergeflowError:
+    error = cls.__new__(cls)
+    MergeflowError.__init__(error, message, staging_dir=staging_dir)
+    return error
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """Whether another attempt may succeed: our errors say so; anything else is an unforeseen hiccup."""
+    if isinstance(exc, MergeflowError):
+        return exc.retryable
+    return isinstance(exc, Exception)
+
+
+# -- the user's flags and paths ----------------------------------------------------------------
 
 class UsageError(MergeflowError):
     """Flags or config values that cannot work together."""
 
+
+class PathSafetyError(MergeflowError):
+    """A path would escape its directory, overlap another input, or replace an existing one."""
+
+
+class TargetExistsError(PathSafetyError):
+    """The target directory exists; mergeflow never overwrites."""
+
+
+class ConcurrentExportError(MergeflowError):
+    """Another export to the same target holds the lock."""
+
+
+# -- the inputs --------------------------------------------------------------------------------
 
 class CheckpointError(MergeflowError):
     """The training checkpoint (rank files, fsdp_config.json, metadata) is unusable."""
@@ -41,28 +105,27 @@ class CastError(MergeflowError):
     """A requested dtype cast would overflow or produce non-finite values."""
 
 
-class PathSafetyError(MergeflowError):
-    """A path would escape its directory, overlap another input, or replace an existing one."""
-
-
-class TargetExistsError(PathSafetyError):
-    """The target directory exists; mergeflow never overwrites."""
-
-
-class ConcurrentExportError(MergeflowError):
-    """Another export to the same target holds the lock."""
-
-
 class InputChangedError(MergeflowError):
     """An input file changed while the export was reading it."""
 
 
-class DiskFullError(MergeflowError):
+# -- the output --------------------------------------------------------------------------------
+
+class DiskFullError(MergeflowError, OSError):
     """The output filesystem ran out of space (or hit a file size limit) while writing."""
 
 
-class ValidationError(MergeflowError):
-    """An artifact (staged or published) fails validation."""
+class ArtifactInvalidError(MergeflowError):
+    """An artifact (staged or published) fails validation.
+
+    Not `ArtifactInvalidError`: pydantic and huggingface_hub both export a class of that name.
+    """
+
+
+# -- events and the Hub ------------------------------------------------------------------------
+
+class EventError(MergeflowError):
+    """An event could not be emitted (e.g. no Prefect API configured)."""
 
 
 class UploadError(MergeflowError):
@@ -73,12 +136,10 @@ class UploadAuthError(UploadError):
     """The Hub refused the credentials (401/403/404): retrying cannot help."""
 
 
-class EventError(MergeflowError):
-    """An event could not be emitted (e.g. no Prefect API configured)."""
-
-
 class UploadTransientError(UploadError):
     """The Hub or the network kept failing with transient errors; a later retry may succeed."""
+
+    retryable = True
 
 
 class UploadVerificationError(UploadError):

@@ -1,46 +1,75 @@
-"""The small, JSON-friendly records that tasks pass to each other (never tensors)."""
+"""The small, typed records that tasks pass to each other (never tensors).
+
+A `MergePlan` is composed of smaller frozen records, each about one thing: what the user asked
+(`ExportOptions`), the training checkpoint (`CheckpointInputs`), the base model (`BaseInputs`),
+the artifact to produce (`OutputTarget`), how tensors and configs change on the way
+(`Conversion`) and, for LoRA checkpoints, the `LoraSpec`. `mergeflow.export.plan.build_plan`
+is the one place that builds it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from mergeflow.fsops import FileStamp
-from mergeflow.layout import TensorLayout
-from mergeflow.rank_files import TensorEntry
+from mergeflow.export.layout import TensorLayout
+from mergeflow.formats.manifest import ArtifactType
+from mergeflow.formats.rank_files import TensorEntry
+from mergeflow.io.fs import FileStamp
+from mergeflow.lora.plan import LoraSpec
+
+DtypePolicy = Literal["preserve", "float32", "float16", "bfloat16"]
+BaseKind = Literal["pipeline", "transformer", "hub"]  # "hub": an adapter export whose base is only named
 
 
 @dataclass(frozen=True)
-class MergePlan:
-    """Everything `inspect` decided: resolved paths, the checkpoint shape, the base schema."""
+class ExportOptions:
+    """The user's choices that shape what is read and written."""
 
-    config: dict[str, Any]
+    dtype: DtypePolicy
+    max_shard_size: int
+    trust_checkpoint: bool = False
+    workers: int = 2
+
+
+@dataclass(frozen=True)
+class CheckpointInputs:
+    """The training checkpoint: where it is, its rank files, and the model config saved with it."""
+
     actor_dir: str
     config_dir: str
-    base_dir: str
-    target: str
-    staging: str
-    lock: str
     world_size: int
     fsdp_version: int
     rank_files: tuple[str, ...]
-    base_kind: str
+    config_sha256: str  # huggingface/config.json, recorded in the manifest
+
+
+@dataclass(frozen=True)
+class BaseInputs:
+    """The base model: its directory, what it is, and every base file the artifact depends on."""
+
+    base_dir: str  # "" when the base is only a Hub name (LoRA adapter export)
+    kind: BaseKind
+    component_dir: str  # the trained component's directory in the base ("" when not local)
+    files: dict[str, str]  # base-relative path -> sha256
+    copy_files: tuple[str, ...] = ()  # copied into the artifact (pipeline output)
+
+
+@dataclass(frozen=True)
+class OutputTarget:
+    """The artifact: where it is staged and published, its type, and the tensors it must hold."""
+
+    target: str
+    staging: str
+    lock: str
+    artifact_type: ArtifactType
     architecture: str  # the _class_name at the artifact root
     transformer_class: str
     component: str
-    base_component_dir: str
-    tensor_directory: str
-    artifact_type: str
+    tensor_directory: str  # "." or the trained component's folder
     weights_name: str
     expected_shapes: dict[str, tuple[int, ...]]
     keep_fp32: tuple[str, ...]
-    input_stamps: dict[str, FileStamp]
-    source_config_sha256: str
-    base_files: dict[str, str]
-    fingerprint: str
-    lora: dict[str, Any] | None = None
-    extras: dict[str, Any] = field(default_factory=dict)
-    copy_files: tuple[str, ...] = ()  # base files copied into the artifact (pipeline output)
 
     @property
     def artifact_dir(self) -> str:
@@ -56,6 +85,35 @@ class MergePlan:
     @property
     def work_dir(self) -> str:
         return f"{self.staging}/work"
+
+    def relative(self, name: str) -> str:
+        """Where a file of the tensor directory lies relative to the artifact root."""
+        return name if self.tensor_directory == "." else f"{self.tensor_directory}/{name}"
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """How the base's configs and the trained tensors change on their way into the artifact."""
+
+    adapter: str | None = None  # the architecture adapter that converts tensors (None: kept as trained)
+    adapter_params: dict[str, str | int | float | bool] = field(default_factory=dict)  # recorded in the manifest
+    output_shapes: dict[str, tuple[int, ...]] | None = None  # the exact tensor set when it is not the checkpoint's
+    config_changes: dict[str, list[str]] = field(default_factory=dict)  # copied config -> local-path keys removed
+    not_copied: dict[str, str] = field(default_factory=dict)  # base file -> why it stays out of the artifact
+
+
+@dataclass(frozen=True)
+class MergePlan:
+    """Everything inspection decided, composed of the records above."""
+
+    options: ExportOptions
+    checkpoint: CheckpointInputs
+    base: BaseInputs
+    output: OutputTarget
+    input_stamps: dict[str, FileStamp]
+    fingerprint: str
+    lora: LoraSpec | None = None
+    conversion: Conversion = field(default_factory=Conversion)
 
 
 @dataclass(frozen=True)

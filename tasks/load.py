@@ -9,16 +9,16 @@ from typing import Any
 from prefect import task
 
 from mergeflow.export.rank_index import hash_rank_file, index_rank_file
-from mergeflow.fsops import FileStamp
+from mergeflow.io.fs import FileStamp
 from mergeflow.records import MergePlan, RankIndex
-from mergeflow.tasks.common import RETRY_IO
+from mergeflow.tasks import RETRY_IO
 
 
 def _rank_cache_key(context: Any, parameters: dict[str, Any]) -> str:
     plan: MergePlan = parameters["plan"]
-    path = Path(plan.actor_dir) / plan.rank_files[parameters["rank"]]
+    path = Path(plan.checkpoint.actor_dir) / plan.checkpoint.rank_files[parameters["rank"]]
     stamp = FileStamp.of(path)
-    raw = f"{path}|{stamp}|{plan.config.get('trust_checkpoint')}|{context.task.name}-v2"
+    raw = f"{path}|{stamp}|{plan.options.trust_checkpoint}|{context.task.name}-v2"
     return "rank-" + hashlib.sha256(raw.encode()).hexdigest()
 
 
@@ -32,7 +32,7 @@ def _rank_cache_key(context: Any, parameters: dict[str, Any]) -> str:
 def load_rank_shards(plan: MergePlan, rank: int) -> RankIndex:
     """Open one rank file safely and record its tensors' layout."""
     return index_rank_file(
-        Path(plan.actor_dir), plan.rank_files[rank], rank, trust_checkpoint=bool(plan.config.get("trust_checkpoint"))
+        Path(plan.checkpoint.actor_dir), plan.checkpoint.rank_files[rank], rank, trust_checkpoint=plan.options.trust_checkpoint
     )
 
 
@@ -45,5 +45,5 @@ def load_rank_shards(plan: MergePlan, rank: int) -> RankIndex:
 )
 def hash_rank(plan: MergePlan, rank: int) -> str:
     """sha256 of one rank file for the manifest; runs beside the shard writers, not before them."""
-    actor_dir, name = Path(plan.actor_dir), plan.rank_files[rank]
+    actor_dir, name = Path(plan.checkpoint.actor_dir), plan.checkpoint.rank_files[rank]
     return hash_rank_file(actor_dir, name, plan.input_stamps.get(str(actor_dir / name)))

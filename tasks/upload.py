@@ -18,12 +18,12 @@ def _link(record: dict[str, Any]) -> None:
 
 # The token is never a task parameter (Prefect records parameters): huggingface_hub reads
 # HF_TOKEN or the stored login itself. No Prefect retries: every Hub call already goes through
-# mergeflow.hub_retry.call_with_retries (transient errors only, Retry-After honoured), the one
+# mergeflow.hub.retry.call_with_retries (transient errors only, Retry-After honoured), the one
 # retry policy for uploads; a second loop around it multiplied the attempts (5 inside each of 3).
 @task(name="upload-to-hub", task_run_name="upload-{repo_id}")
 def upload_to_hub(artifact_dir: str, repo_id: str, private: bool = False) -> dict[str, Any]:
     """Upload the published artifact as one commit and verify every file on the Hub."""
-    from mergeflow.hub import upload_artifact
+    from mergeflow.hub.upload import upload_artifact
 
     record = upload_artifact(Path(artifact_dir), repo_id, private=private).to_dict()
     _link(record)
@@ -33,6 +33,6 @@ def upload_to_hub(artifact_dir: str, repo_id: str, private: bool = False) -> dic
 @task(name="verify-upload", task_run_name="verify-upload-{repo_id}")
 def verify_hub_upload(artifact_dir: str, repo_id: str, revision: str | None = None) -> dict[str, Any]:
     """Check that the Hub repo holds exactly the artifact's files (sizes and sha256)."""
-    from mergeflow.hub import verify_upload
+    from mergeflow.hub.upload import verify_upload
 
     return verify_upload(Path(artifact_dir), repo_id, revision=revision).to_dict()

@@ -1,7 +1,8 @@
 """Validation tasks: the checks `test` runs on any artifact, and the checks of a staged export.
 
-Thin wrappers: the checks live in the domain (mergeflow.artifact_check, mergeflow.staged_check)
-so that `mergeflow test` runs them without Prefect.
+Thin wrappers: the checks live in the domain (mergeflow.export.artifact_check, mergeflow.export.staged_check)
+so that `mergeflow test` runs them without Prefect. `validate_staged` is looked up in this module at
+call time, so a test can wrap it (tests/test_resume.py corrupts a shard just before it).
 """
 
 from __future__ import annotations
@@ -12,14 +13,9 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-# list_tree and manifest_relpath are re-exported for the publish task; validate_staged is looked up
-# here at call time, so a test can wrap it (tests/test_resume.py corrupts a shard just before it).
-from mergeflow.artifact_check import list_tree, manifest_relpath, validate_artifact_dir
+from mergeflow.export.artifact_check import validate_artifact_dir
 from mergeflow.records import MergePlan, ValidationReport, VerifiedFile
-from mergeflow.staged_check import validate_staged
-
-__all__ = ["list_tree", "manifest_relpath", "validate_artifact_task", "validate_staged", "validate_staged_task"]
-
+from mergeflow.export.staged_check import validate_staged
 
 @task(name="validate-staged", task_run_name="validate-staged", cache_policy=NO_CACHE)
 def validate_staged_task(plan: MergePlan, manifest: dict[str, Any],

@@ -11,8 +11,8 @@ from prefect import task
 from mergeflow.export.reconstruct import RankStates
 from mergeflow.export.shard_writer import write_shard_file
 from mergeflow.records import MergePlan, ShardPlan, ShardRecord
-from mergeflow.staging import staged_file_state, staging_id
-from mergeflow.tasks.common import RETRY_IO
+from mergeflow.io.staging import staged_file_state, staging_id
+from mergeflow.tasks import RETRY_IO
 
 
 def _shard_cache_key(context: Any, parameters: dict[str, Any]) -> str:
@@ -21,9 +21,9 @@ def _shard_cache_key(context: Any, parameters: dict[str, Any]) -> str:
     # directory was recreated: so a retry rewrites a damaged shard instead of trusting a stale record.
     plan: MergePlan = parameters["plan"]
     shard: ShardPlan = parameters["shard"]
-    final = Path(plan.tensor_dir) / shard.file_name
-    state = staged_file_state(final, Path(plan.work_dir) / f"shard-{shard.index:05d}.json")
-    raw = f"{plan.staging}|{staging_id(Path(plan.staging))}|{shard.fingerprint}|{state}"
+    final = Path(plan.output.tensor_dir) / shard.file_name
+    state = staged_file_state(final, Path(plan.output.work_dir) / f"shard-{shard.index:05d}.json")
+    raw = f"{plan.output.staging}|{staging_id(Path(plan.output.staging))}|{shard.fingerprint}|{state}"
     return "shard-" + hashlib.sha256(raw.encode()).hexdigest()
 
 
@@ -36,9 +36,9 @@ def _shard_cache_key(context: Any, parameters: dict[str, Any]) -> str:
 )
 def write_shard(plan: MergePlan, shard: ShardPlan) -> ShardRecord:
     """Reconstruct, verify and stream one output shard into the staging directory."""
-    states = RankStates(Path(plan.actor_dir), plan.rank_files, trust_checkpoint=bool(plan.config.get("trust_checkpoint")))
-    artifact_dir = Path(plan.tensor_dir)
+    states = RankStates(Path(plan.checkpoint.actor_dir), plan.checkpoint.rank_files, trust_checkpoint=plan.options.trust_checkpoint)
+    artifact_dir = Path(plan.output.tensor_dir)
     artifact_dir.mkdir(parents=True, exist_ok=True)
-    work_dir = Path(plan.work_dir)
+    work_dir = Path(plan.output.work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     return write_shard_file(shard, states, artifact_dir, work_dir)

@@ -89,3 +89,108 @@ def tree_digest(root: Path) -> dict[str, str]:
 def leftovers(parent: Path, target_name: str) -> list[str]:
     """Entries beside a target that an export may have left (staging, lock, the target)."""
     return sorted(p.name for p in parent.iterdir() if target_name in p.name)
+
+
+# --- for refusal tests: pristine checkpoints copied, and the merge flow's steps without Prefect ------
+
+
+def clone_export(ex: Export, root: Path) -> Export:
+    """A copy of `ex`'s base and checkpoint under `root` (much cheaper than building them with torch again)."""
+    import shutil
+
+    for top in {ex.actor_dir.relative_to(ex.root).parts[0], ex.base_dir.relative_to(ex.root).parts[0]}:
+        shutil.copytree(ex.root / top, root / top, symlinks=True)
+    return Export(root, root / ex.actor_dir.relative_to(ex.root), root / ex.base_dir.relative_to(ex.root), ex.actor, ex.class_name)
+
+
+@dataclass
+class PlainRun:
+    """How far `plain_export` got: `stage` names the step that was running when it stopped ("done" after publishing)."""
+
+    stage: str = ""
+    plan: object = None
+
+
+# stage -> the domain function it runs (through the thin task's `.fn`, which only unpacks the plan's fields)
+PLAIN_STAGES = {
+    "inspect": "mergeflow.export.plan.build_plan",
+    "lock": "mergeflow.io.fs.TargetLock.acquire",
+    "target": "mergeflow.io.paths.check_target",
+    "index": "mergeflow.export.rank_index.index_rank_file",
+    "reconstruct": "mergeflow.export.reconstruct.plan_tensor_writes",
+    "write": "mergeflow.export.shard_writer.write_shard_file",
+    "copy": "mergeflow.export.copy_files.copy_base_files",
+    "hash": "mergeflow.export.rank_index.hash_rank_file",
+    "metadata": "mergeflow.export.publish.finalize_staging",
+    "validate": "mergeflow.export.staged_check.validate_staged",
+    "publish": "mergeflow.export.publish.publish_staged",
+}
+
+
+def plain_export(config: ModelMergerConfig, run: PlainRun | None = None) -> dict[str, str]:
+    """flows/merge.py's merge_flow + run_export for an export without LoRA or a tensor conversion, as plain calls.
+
+    No flow run, no task runner, no result cache: each step calls the domain function (the task's
+    `.fn`) in the flow's order, with the flow's lock, kept-staging and cache-forgetting behaviour.
+    """
+    from mergeflow.errors import MergeflowError
+    from mergeflow.export.plan import build_plan
+    from mergeflow.export.reconstruct import RankStates
+    from mergeflow.io.fs import TargetLock
+    from mergeflow.io.prefetch import DigestPrefetch
+
+    run = run if run is not None else PlainRun()
+    actor_dir = Path(config.local_dir or "").expanduser().resolve()
+    try:
+        run.stage = "inspect"
+        config.validate()  # merge_model's first step
+        plan = run.plan = build_plan(config)
+        run.stage = "lock"
+        lock = TargetLock(Path(plan.output.lock)).acquire()
+        try:
+            result = _plain_run_export(plan, run)
+        except MergeflowError as exc:
+            if Path(plan.output.staging).exists():
+                raise exc.kept_in(plan.output.staging)
+            raise
+        finally:
+            lock.release()
+    finally:
+        RankStates.forget(actor_dir)
+        DigestPrefetch.forget(actor_dir)
+    run.stage = "done"
+    return result
+
+
+def _plain_run_export(plan, run: PlainRun) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    from mergeflow.export.shard_writer import pack_shards
+    from mergeflow.io.paths import check_target
+    from mergeflow.tasks.copy_components import copy_components
+    from mergeflow.tasks.load import hash_rank, load_rank_shards
+    from mergeflow.tasks.publish import publish, write_metadata
+    from mergeflow.tasks.reconstruct import plan_reconstruction
+    from mergeflow.tasks.validate import validate_staged_task
+    from mergeflow.tasks.write import write_shard
+
+    if plan.lora is not None or plan.conversion.adapter is not None:
+        raise NotImplementedError("plain_export covers exports without LoRA and without a tensor conversion")
+    run.stage = "target"
+    check_target(Path(plan.output.target))
+    ranks = range(plan.checkpoint.world_size)
+    run.stage = "index"
+    indexes = [load_rank_shards.fn(plan, rank) for rank in ranks]
+    run.stage = "reconstruct"
+    writes = plan_reconstruction.fn(plan, indexes)
+    output = pack_shards(writes, plan.options.max_shard_size, plan.output.weights_name, plan.fingerprint)
+    run.stage = "write"
+    records = [write_shard.fn(plan, shard) for shard in output.shards]
+    run.stage = "copy"
+    copied = copy_components.fn(plan) if plan.base.copy_files else None
+    run.stage = "hash"
+    digests = {plan.checkpoint.rank_files[rank]: hash_rank.fn(plan, rank) for rank in ranks}
+    run.stage = "metadata"
+    manifest = write_metadata.fn(plan, output, digests, records, list(copied.files) if copied else None, None)
+    run.stage = "validate"
+    report = validate_staged_task.fn(plan, manifest, {plan.output.relative(r.file_name): r.verified() for r in records})
+    run.stage = "publish"
+    return publish.fn(plan, report)

@@ -17,7 +17,7 @@ os.environ.pop("PREFECT_API_URL", None)
 # CLI subprocesses without PREFECT_API_URL must not leave a background server behind; the tests
 # of that server unset this for their own subprocesses (and stop what they start).
 os.environ["MERGEFLOW_LOCAL_SERVER"] = "0"
-# The remembered model schemas (mergeflow.schema.model_schema) of this run only, never the user's.
+# The remembered model schemas (mergeflow.architectures.schema.model_schema) of this run only, never the user's.
 os.environ["MERGEFLOW_CACHE_DIR"] = tempfile.mkdtemp(prefix="mergeflow-tests-cache-")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 

@@ -75,12 +75,13 @@ def test_bad_event_arguments_are_usage_errors(tmp_path: Path, kwargs: dict[str, 
 _NO_API_SCRIPT = """
 import json, os, sys, time
 import mergeflow.events as events
+from mergeflow.errors import EventError
 imported_prefect = "prefect" in sys.modules
 started = time.monotonic()
 try:
     events.checkpoint_saved(sys.argv[1])
     outcome = "emitted"
-except events.EventError as exc:
+except EventError as exc:
     outcome = "EventError: " + str(exc)
 elapsed = time.monotonic() - started
 children = []

@@ -21,8 +21,8 @@ from hub_server import LocalHubServer
 from safetensors.numpy import save_file
 
 from mergeflow.errors import UploadAuthError, UploadError, UploadTransientError, UploadVerificationError
-from mergeflow.hub import MANIFEST_NAME, upload_artifact, verify_upload
-from mergeflow.hub_retry import call_with_retries
+from mergeflow.hub.upload import MANIFEST_NAME, upload_artifact, verify_upload
+from mergeflow.hub.retry import call_with_retries
 
 # huggingface_hub's own LFS PUT passes a file object as `data=`, which httpx2 deprecates; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>' to upload raw bytes:DeprecationWarning")
@@ -212,7 +212,7 @@ def test_interrupted_upload_rerun_completes(hub, artifact):
     """Kill an uploader in the middle of the LFS transfer, then run the upload again."""
     before = _snapshot(artifact)
     started, release = hub.stall_next_lfs_upload()
-    code = "import sys; from mergeflow.hub import upload_artifact; upload_artifact(sys.argv[1], sys.argv[2], base_delay=0.01)"
+    code = "import sys; from mergeflow.hub.upload import upload_artifact; upload_artifact(sys.argv[1], sys.argv[2], base_delay=0.01)"
     env = {**os.environ, "HF_ENDPOINT": hub.base_url, "HF_TOKEN": TOKEN, "HF_HUB_DISABLE_XET": "1", "HF_HUB_OFFLINE": "0"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
     proc = subprocess.Popen([sys.executable, "-c", code, str(artifact), REPO], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mergeflow.errors import CheckpointError, LoraError
-from mergeflow.lora_config import (
+from mergeflow.lora.config import (
     AdapterSettings,
     LoraTrainMeta,
     fusion_blockers,
@@ -34,7 +34,7 @@ from mergeflow.lora_config import (
     scaling_for,
     settings_from_config_dict,
 )
-from mergeflow.lora_export import (
+from mergeflow.lora.export import (
     DIFFUSERS_LORA_WEIGHTS_NAME,
     DIFFUSERS_METADATA_KEY,
     adapter_config_json,
@@ -42,7 +42,7 @@ from mergeflow.lora_export import (
     diffusers_lora_metadata,
     peft_adapter_keys,
 )
-from mergeflow.lora_keys import (
+from mergeflow.lora.keys import (
     LoraLayout,
     base_key_for,
     base_state_keys,
@@ -56,7 +56,7 @@ from mergeflow.lora_keys import (
     saved_modules,
     target_modules,
 )
-from mergeflow.lora_math import check_adapter_shapes, fuse_bias, fuse_weight
+from mergeflow.lora.math import check_adapter_shapes, fuse_bias, fuse_weight
 from ulps import operand_ulps
 
 ConfigFactory = Callable[[str], LoraConfig]

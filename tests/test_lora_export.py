@@ -15,8 +15,8 @@ from safetensors import safe_open
 from builders import assert_bit_exact, leftovers, output_state
 from lora_builders import ATTN_TARGETS, LoraCheckpoint, build_lora_checkpoint
 from mergeflow import merge_model, validate_artifact
-from mergeflow.errors import LoraError, UsageError, ValidationError
-from mergeflow.lora_export import DIFFUSERS_METADATA_KEY
+from mergeflow.errors import LoraError, UsageError, ArtifactInvalidError
+from mergeflow.lora.export import DIFFUSERS_METADATA_KEY
 from mergeflow.demo.checkpoints import run_tiny_forward
 
 # PEFT and Diffusers warn about tiny models (unmatched patterns, adapter dtype casts); huggingface_hub's LFS PUT
@@ -152,18 +152,18 @@ def test_adapter_test_command_is_exact(tmp_path: Path, prefect_api: object, flux
     stray = tmp_path / "stray"
     shutil.copytree(out, stray)
     (stray / "notes.txt").write_text("x")
-    with pytest.raises(ValidationError, match="notes.txt"):
+    with pytest.raises(ArtifactInvalidError, match="notes.txt"):
         validate_artifact(stray)
     inner = tmp_path / "inner"
     shutil.copytree(out, inner)
     (inner / "lora_adapter" / "extra.bin").write_bytes(b"x")
-    with pytest.raises(ValidationError, match="not in the manifest"):
+    with pytest.raises(ArtifactInvalidError, match="not in the manifest"):
         validate_artifact(inner)
     flipped = tmp_path / "flipped"
     shutil.copytree(out, flipped)
     config = flipped / "lora_adapter" / "adapter_config.json"
     config.write_text(config.read_text().replace('"lora_alpha": 8', '"lora_alpha": 9'))
-    with pytest.raises(ValidationError):
+    with pytest.raises(ArtifactInvalidError):
         validate_artifact(flipped)
 
 

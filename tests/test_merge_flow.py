@@ -13,7 +13,7 @@ import torch
 
 from builders import assert_bit_exact, leftovers, make_export, output_state, tree_digest
 from mergeflow import merge_model, validate_artifact
-from mergeflow.errors import ValidationError
+from mergeflow.errors import ArtifactInvalidError
 from mergeflow.demo.checkpoints import run_tiny_forward
 from mergeflow.export.reconstruct import RankStates
 
@@ -141,12 +141,12 @@ def test_test_command_catches_a_flipped_byte_in_every_file(tmp_path: Path, prefe
         data = bytearray((copy / rel).read_bytes())
         data[len(data) // 2] ^= 0x01
         (copy / rel).write_bytes(bytes(data))
-        with pytest.raises(ValidationError):
+        with pytest.raises(ArtifactInvalidError):
             validate_artifact(copy)
     extra = tmp_path / "copy-extra"
     shutil.copytree(out, extra)
     (extra / "notes.txt").write_text("x")
-    with pytest.raises(ValidationError, match="not in the manifest"):
+    with pytest.raises(ArtifactInvalidError, match="not in the manifest"):
         validate_artifact(extra)
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import mergeflow.adapters.minimax_h3 as product_conversion
+import mergeflow.architectures.minimax_h3 as product_conversion
 from pipeline_builders import (
     Exported,
     assert_copied_unchanged,

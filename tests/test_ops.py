@@ -13,9 +13,9 @@ from mergeflow.errors import ConcurrentExportError, EventError, UsageError
 from mergeflow.events import build_checkpoint_event
 from mergeflow.flows.checkpoint import resolve_checkpoint_config
 from mergeflow.flows.cli import main
-from mergeflow.fsops import TargetLock
-from mergeflow.paths import lock_path_for, staging_dir_for
-from mergeflow.staging import (
+from mergeflow.io.fs import TargetLock
+from mergeflow.io.paths import lock_path_for, staging_dir_for
+from mergeflow.io.staging import (
     artifact_root,
     clean_staging,
     list_staging,
@@ -50,7 +50,7 @@ def render_trigger(parameters: dict[str, object], payload: dict[str, object]) ->
 def test_trigger_passes_the_whole_payload_even_without_optional_keys(tmp_path: Path) -> None:
     from prefect.utilities.schema_tools.hydration import HydrationError
 
-    from mergeflow.deployments.serve import TRIGGER_PARAMETERS, checkpoint_trigger
+    from mergeflow.flows.serve import TRIGGER_PARAMETERS, checkpoint_trigger
 
     _, payload = build_checkpoint_event(actor_dir(tmp_path))
     assert "base_model" not in payload and "target_dir" not in payload
@@ -95,7 +95,7 @@ def test_bad_event_payloads_are_refused(payload: dict[str, object], defaults: di
 def test_serve_refuses_without_an_api_and_with_bad_paths(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from mergeflow.deployments.serve import ServeSettings, serve_deployments
+    from mergeflow.flows.serve import ServeSettings, serve_deployments
 
     (tmp_path / "base").mkdir()
     with pytest.raises(UsageError, match="target-root"):
@@ -179,7 +179,7 @@ def test_a_killed_holders_lock_file_does_not_block(tmp_path: Path) -> None:
 
 
 def test_staged_file_state_and_staging_id(tmp_path: Path) -> None:
-    from mergeflow.staging import file_stamp
+    from mergeflow.io.staging import file_stamp
 
     staging = tmp_path / ".out.mergeflow-staging-0123"
     final, record = staging / "artifact" / "shard.safetensors", staging / "work" / "shard-00000.json"
@@ -223,7 +223,7 @@ def test_prefect_yaml_entrypoints_and_trigger_match_the_served_ones() -> None:
     import yaml
     from prefect.flows import load_flow_from_entrypoint
 
-    from mergeflow.deployments.serve import MERGE_DEPLOYMENT, TRIGGER_NAME, TRIGGER_PARAMETERS, VALIDATE_DEPLOYMENT
+    from mergeflow.flows.serve import MERGE_DEPLOYMENT, TRIGGER_NAME, TRIGGER_PARAMETERS, VALIDATE_DEPLOYMENT
 
     spec = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
     deployments = {d["name"]: d for d in spec["deployments"]}

@@ -23,7 +23,7 @@ from pipeline_builders import (
     refused,
 )
 from mergeflow import validate_artifact
-from mergeflow.errors import BaseModelError, UsageError, ValidationError
+from mergeflow.errors import BaseModelError, UsageError, ArtifactInvalidError
 from fixtures.boogu import build_boogu_pipeline, load_boogu_pipeline, load_boogu_transformer
 from mergeflow.demo.checkpoints import build_transformer
 from fixtures.pipelines_image import build_flux_pipeline, build_qwenimage_pipeline, build_sd3_pipeline
@@ -281,7 +281,7 @@ def test_test_command_checks_pipeline_components(flux: Exported, tmp_path: Path,
     broken = tmp_path / "broken"
     shutil.copytree(item.out, broken)
     (broken / "vae" / "config.json").write_text("{}")
-    with pytest.raises(ValidationError, match="sha256"):
+    with pytest.raises(ArtifactInvalidError, match="sha256"):
         validate_artifact(broken)
     renamed = tmp_path / "renamed"
     shutil.copytree(item.out, renamed)
@@ -289,7 +289,7 @@ def test_test_command_checks_pipeline_components(flux: Exported, tmp_path: Path,
     manifest = json.loads((renamed / "merge_manifest.json").read_text())
     manifest["files"]["model_index.json"] = hashlib.sha256((renamed / "model_index.json").read_bytes()).hexdigest()
     (renamed / "merge_manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(ValidationError, match="model_index.json names 'StableDiffusion3Pipeline'"):
+    with pytest.raises(ArtifactInvalidError, match="model_index.json names 'StableDiffusion3Pipeline'"):
         validate_artifact(renamed)
     dropped = tmp_path / "dropped"
     shutil.copytree(item.out, dropped)
@@ -297,5 +297,5 @@ def test_test_command_checks_pipeline_components(flux: Exported, tmp_path: Path,
     manifest = json.loads((dropped / "merge_manifest.json").read_text())
     manifest["files"] = {rel: d for rel, d in manifest["files"].items() if not rel.startswith("vae/")}
     (dropped / "merge_manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(ValidationError, match="declares component 'vae', but the artifact has no vae/"):
+    with pytest.raises(ArtifactInvalidError, match="declares component 'vae', but the artifact has no vae/"):
         validate_artifact(dropped)

@@ -6,8 +6,8 @@ import hashlib
 import os
 from pathlib import Path
 
-from mergeflow.fsops import FileStamp
-from mergeflow.prefetch import DigestPrefetch
+from mergeflow.io.fs import FileStamp
+from mergeflow.io.prefetch import DigestPrefetch
 
 
 def _file(path: Path, data: bytes) -> Path:

@@ -11,8 +11,8 @@ import torch
 import torch.distributed.tensor  # noqa: F401  (torch's loader needs DTensor registered)
 
 from mergeflow.errors import CheckpointError, UnsafeCheckpointError
-from mergeflow.rank_files import describe_state, load_rank_state, local_tensor
-from mergeflow.rank_pickle import NotFastReadable, ShardedValue, read_rank_file
+from mergeflow.formats.rank_files import describe_state, load_rank_state, local_tensor
+from mergeflow.formats.rank_pickle import NotFastReadable, ShardedValue, read_rank_file
 from mergeflow.demo.checkpoints import build_transformer, save_fsdp_checkpoint
 from test_reconstruct import Odd
 
@@ -87,7 +87,7 @@ def test_a_view_past_its_storage_is_not_read() -> None:
     """`Tensor.set_` does not bound-check: the reader must, or a crafted file reads foreign memory."""
     from collections import OrderedDict
 
-    from mergeflow.rank_pickle import _rebuild_tensor_v2, _Storage
+    from mergeflow.formats.rank_pickle import _rebuild_tensor_v2, _Storage
 
     storage = _Storage(torch.UntypedStorage(16), torch.float32)  # room for 4 floats
     assert _rebuild_tensor_v2(storage, 2, (2,), (1,), False, OrderedDict()).shape == (2,)

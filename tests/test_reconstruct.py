@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from builders import assert_bit_exact, output_state
-from mergeflow.layout import chunk_sizes, plan_layouts
+from mergeflow.export.layout import chunk_sizes, plan_layouts
 from mergeflow.records import TensorWrite
 from mergeflow.demo.checkpoints import save_fsdp_checkpoint
 from mergeflow.export.rank_index import index_rank_file

@@ -15,10 +15,10 @@ import pytest
 
 from builders import assert_bit_exact, make_export, output_state, tree_digest
 from mergeflow import merge_model, validate_artifact
-from mergeflow.errors import ValidationError
+from mergeflow.errors import ArtifactInvalidError
 from mergeflow.flows.merge import merge_flow
 from mergeflow.flows.runners import make_task_runner
-from mergeflow.staging import list_staging
+from mergeflow.io.staging import list_staging
 from prefect_runs import latest_flow_run, shard_states, task_runs
 
 TESTS = Path(__file__).parent
@@ -36,7 +36,7 @@ def corrupt_one_shard_before_validation(monkeypatch: pytest.MonkeyPatch, index: 
     hit: list[Path] = []
 
     def corrupting(plan: Any, manifest: dict[str, Any], verified: Any = None) -> Any:
-        path = sorted(Path(plan.tensor_dir).glob("*.safetensors"))[index]
+        path = sorted(Path(plan.output.tensor_dir).glob("*.safetensors"))[index]
         data = bytearray(path.read_bytes())
         data[-1] ^= 0xFF
         path.write_bytes(bytes(data))
@@ -72,14 +72,14 @@ def test_failed_validation_keeps_staging_and_a_fresh_run_reuses_shards(tmp_path:
     hit = corrupt_one_shard_before_validation(monkeypatch, 1)
     state, first_id = failing_merge(config)
     assert [p.name for p in hit] == [bad] and not target.exists()
-    with pytest.raises(ValidationError):
+    with pytest.raises(ArtifactInvalidError):
         state.result()
     staged = list_staging(tmp_path / "exports")
     assert len(staged) == 1 and staged[0].target == str(target) and not staged[0].locked
     assert staged[0].resumable_shards == len(names) and staged[0].has_manifest
 
     # The validate flow runs alone on the kept staging directory and names the damaged shard.
-    with pytest.raises(ValidationError, match=bad.replace(".", r"\.")):
+    with pytest.raises(ArtifactInvalidError, match=bad.replace(".", r"\.")):
         validate_artifact(staged[0].path)
 
     monkeypatch.undo()  # the cause is gone

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mergeflow.errors import SchemaMismatchError
-from mergeflow.schema import model_schema
+from mergeflow.architectures.schema import model_schema
 from mergeflow.demo.tiny_transformers import TINY_TRANSFORMER_CONFIGS
 
 FLUX = "FluxTransformer2DModel"
@@ -56,7 +56,7 @@ def test_an_unbuildable_config_is_refused_and_not_remembered(cache_dir: Path) ->
 
 
 def test_a_remembered_schema_needs_no_diffusers_import(cache_dir: Path) -> None:
-    code = ("import json, sys; from mergeflow.schema import model_schema; "
+    code = ("import json, sys; from mergeflow.architectures.schema import model_schema; "
             f"s = model_schema({FLUX!r}, json.loads(sys.argv[1])); "
             "print(len(s.tensors), 'diffusers' in sys.modules)")
     env = dict(os.environ)

@@ -11,13 +11,13 @@ import pytest
 import torch
 from torch import nn
 
-from mergeflow.errors import CastError, CheckpointError, InputChangedError, ValidationError
-from mergeflow.fsops import FileStamp
-from mergeflow.layout import plan_layouts
+from mergeflow.errors import CastError, CheckpointError, InputChangedError, ArtifactInvalidError
+from mergeflow.io.fs import FileStamp
+from mergeflow.export.layout import plan_layouts
 from mergeflow.records import ShardPlan, TensorWrite, VerifiedFile
-from mergeflow.streamio import BackgroundFlush, HashingWriter
+from mergeflow.io.streamio import BackgroundFlush, HashingWriter
 from mergeflow.demo.checkpoints import save_fsdp_checkpoint
-from mergeflow import artifact_check
+from mergeflow.export import artifact_check
 from mergeflow.export import shard_writer as write
 from mergeflow.export.rank_index import hash_rank_file, index_rank_file
 from mergeflow.export.reconstruct import RankStates, same_bytes
@@ -168,7 +168,7 @@ def test_validation_takes_a_verified_digest_only_while_the_file_is_unchanged(tmp
         fh.write(bytes([byte[0] ^ 0xFF]))
     os.utime(big, ns=(st.st_atime_ns, st.st_mtime_ns))
     hashed.clear()
-    with pytest.raises(ValidationError, match="big.bin does not match"):
+    with pytest.raises(ArtifactInvalidError, match="big.bin does not match"):
         artifact_check.check_tree_and_hashes(tmp_path, files, verified=verified)
     assert "big.bin" in hashed
 
@@ -176,7 +176,7 @@ def test_validation_takes_a_verified_digest_only_while_the_file_is_unchanged(tmp
 def test_a_verified_digest_that_disagrees_with_the_manifest_fails(tmp_path: Path) -> None:
     files = _tree(tmp_path)
     verified = {"big.bin": VerifiedFile("0" * 64, FileStamp.of(tmp_path / "big.bin"))}
-    with pytest.raises(ValidationError, match="big.bin does not match"):
+    with pytest.raises(ArtifactInvalidError, match="big.bin does not match"):
         artifact_check.check_tree_and_hashes(tmp_path, files, verified=verified)
 
 

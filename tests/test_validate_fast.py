@@ -15,9 +15,9 @@ import pytest
 
 from builders import make_export
 from mergeflow import merge_model, validate_artifact
-from mergeflow.artifact_check import PARALLEL_HASH_MIN_BYTES, check_artifact, check_tree_and_hashes
-from mergeflow.errors import ValidationError
-from mergeflow.paths import staging_dir_for
+from mergeflow.export.artifact_check import PARALLEL_HASH_MIN_BYTES, check_artifact, check_tree_and_hashes
+from mergeflow.errors import ArtifactInvalidError
+from mergeflow.io.paths import staging_dir_for
 
 REPO = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "diffusers", "transformers", "prefect", "huggingface_hub", "numpy", "safetensors", "peft")
@@ -105,11 +105,11 @@ def test_a_missing_file_and_a_symlink_fail(artifact: Path) -> None:
     config = artifact / "config.json"
     config.rename(artifact / "config.moved")
     (artifact / "config.json").symlink_to("config.moved")
-    with pytest.raises(ValidationError, match="symlink"):
+    with pytest.raises(ArtifactInvalidError, match="symlink"):
         check_artifact(artifact)
     (artifact / "config.json").unlink()
     (artifact / "config.moved").unlink()
-    with pytest.raises(ValidationError, match="config.json is listed in the manifest but missing"):
+    with pytest.raises(ArtifactInvalidError, match="config.json is listed in the manifest but missing"):
         check_artifact(artifact)
 
 
@@ -124,9 +124,9 @@ def test_a_kept_staging_dir_validates_as_the_artifact_inside_it(published: Path,
 def test_the_validate_flow_runs_the_same_checks(artifact: Path, prefect_api: object) -> None:
     assert validate_artifact(artifact) == check_artifact(artifact) == EXPECTED
     (artifact / "extra.bin").write_bytes(b"\0")
-    with pytest.raises(ValidationError, match="extra.bin is in the artifact but not in the manifest"):
+    with pytest.raises(ArtifactInvalidError, match="extra.bin is in the artifact but not in the manifest"):
         check_artifact(artifact)
-    with pytest.raises(ValidationError, match="extra.bin is in the artifact but not in the manifest"):
+    with pytest.raises(ArtifactInvalidError, match="extra.bin is in the artifact but not in the manifest"):
         validate_artifact(artifact)
 
 
@@ -142,5 +142,5 @@ def test_big_files_hashed_in_parallel_are_checked_byte_for_byte(tmp_path: Path) 
         byte = handle.read(1)
         handle.seek(-1, os.SEEK_CUR)
         handle.write(bytes([byte[0] ^ 0xFF]))
-    with pytest.raises(ValidationError, match="b.bin does not match its sha256"):
+    with pytest.raises(ArtifactInvalidError, match="b.bin does not match its sha256"):
         check_tree_and_hashes(tmp_path, files)

@@ -6,9 +6,9 @@ from pathlib import Path
 
 
 from mergeflow.errors import InputChangedError
-from mergeflow.fsops import FileStamp, sha256_file
-from mergeflow.prefetch import DigestPrefetch
-from mergeflow.rank_files import describe_state
+from mergeflow.io.fs import FileStamp, sha256_file
+from mergeflow.io.prefetch import DigestPrefetch
+from mergeflow.formats.rank_files import describe_state
 from mergeflow.records import RankIndex
 from mergeflow.export.reconstruct import RankStates
 
@@ -31,7 +31,7 @@ def hash_rank_file(actor_dir: Path, file_name: str, planned: FileStamp | None = 
     before = FileStamp.of(path)
     if planned is not None and before != planned:
         raise InputChangedError(f"rank file {file_name} changed during the export (after it was planned); rerun once it is stable")
-    # Usually hashed in the background since inspection, for this very stamp (mergeflow.prefetch).
+    # Usually hashed in the background since inspection, for this very stamp (mergeflow.io.prefetch).
     digest = DigestPrefetch.take(path, before) or sha256_file(path)
     if FileStamp.of(path) != before:
         raise InputChangedError(f"rank file {file_name} changed during the export, while it was hashed; "

@@ -14,12 +14,12 @@ import numpy as np
 import torch
 
 from mergeflow.errors import CastError, CheckpointError, SchemaMismatchError
-from mergeflow.fsops import FileStamp
-from mergeflow.layout import TensorLayout, plan_layouts
-from mergeflow.rank_files import load_rank_state, local_tensor
+from mergeflow.io.fs import FileStamp
+from mergeflow.export.layout import TensorLayout, plan_layouts
+from mergeflow.formats.rank_files import load_rank_state, local_tensor
 from mergeflow.records import MergePlan, RankIndex, TensorWrite
-from mergeflow.safetensors_format import torch_dtype
-from mergeflow.schema import is_kept_in_fp32
+from mergeflow.formats.safetensors_format import torch_dtype
+from mergeflow.architectures.schema import is_kept_in_fp32
 
 FLOATING = {"float64", "float32", "float16", "bfloat16"}
 _CHECK_ELEMENTS = 1 << 24  # finiteness is checked in slices so no full-size temporary exists
@@ -250,10 +250,10 @@ def plan_tensor_writes(plan: MergePlan, indexes: list[RankIndex]) -> list[Tensor
         if name in by_name:
             raise CheckpointError(f"keys {by_name[name].key} and {key} name the same tensor after removing FSDP wrappers")
         by_name[name] = layout
-    check_coverage(plan.expected_shapes, {n: l.shape for n, l in by_name.items()})
-    policy = plan.config["dtype"]
+    check_coverage(plan.output.expected_shapes, {n: l.shape for n, l in by_name.items()})
+    policy = plan.options.dtype
     return [
-        TensorWrite(name, layout.key, layout, output_dtype(name, layout.dtype, policy, plan.keep_fp32))
+        TensorWrite(name, layout.key, layout, output_dtype(name, layout.dtype, policy, plan.output.keep_fp32))
         for name, layout in sorted(by_name.items())
     ]
 

@@ -14,14 +14,14 @@ from typing import Any
 import torch
 
 from mergeflow.errors import CheckpointError, DiskFullError
-from mergeflow.fsops import FileStamp, sha256_file
-from mergeflow.jsonfiles import write_json_durable
-from mergeflow.manifest import fingerprint
+from mergeflow.io.fs import FileStamp, sha256_file
+from mergeflow.io.jsonfiles import write_json_durable
+from mergeflow.formats.manifest import fingerprint
 from mergeflow.records import OutputPlan, ShardPlan, ShardRecord, TensorWrite
-from mergeflow.streamio import BackgroundFlush, HashingWriter
-from mergeflow.safetensors_format import DTYPES, build_header, nbytes, read_header, torch_dtype
-from mergeflow.staging import file_stamp
-from mergeflow.lora_fuse import transformed_tensor, verify_transformed
+from mergeflow.io.streamio import BackgroundFlush, HashingWriter
+from mergeflow.formats.safetensors_format import DTYPES, build_header, nbytes, read_header, torch_dtype
+from mergeflow.io.staging import file_stamp
+from mergeflow.lora.fuse import transformed_tensor, verify_transformed
 from mergeflow.export.readback import FollowingReadBack, read_exact
 from mergeflow.export.reconstruct import (
     RankStates,
@@ -276,7 +276,7 @@ def write_component_config(src: Path, dst: Path) -> tuple[bytes, list[str]]:
         # Diffusers' own save_config format, so the file reads like any saved model's.
         raw = (json.dumps(data, indent=2, sort_keys=True) + "\n").encode("utf-8")
     dst.parent.mkdir(parents=True, exist_ok=True)
-    from mergeflow.jsonfiles import write_bytes_durable
+    from mergeflow.io.jsonfiles import write_bytes_durable
 
     write_bytes_durable(dst, raw)
     return raw, removed

@@ -1,0 +1,117 @@
+"""`mergeflow serve`: the merge and validate deployments, the merge one triggered by checkpoint events.
+
+`serve_deployments(settings)` registers both deployments with the Prefect server named by
+PREFECT_API_URL and runs them in this process (Prefect's runner starts one subprocess per
+flow run). The same two deployments are declared in `deployments/prefect.yaml` for
+`prefect deploy --all` onto a process work pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from prefect.deployments.runner import EntrypointType, RunnerDeployment
+from prefect.events import DeploymentEventTrigger
+
+from mergeflow.config import (
+    DEFAULT_DTYPE,
+    DEFAULT_MAX_SHARD_SIZE,
+    DEFAULT_OUTPUT_FORMAT,
+    DEFAULT_TASK_RUNNER,
+    DEFAULT_WORKERS,
+    DTYPES,
+    OUTPUT_FORMATS,
+    TASK_RUNNERS,
+)
+from mergeflow.errors import UsageError
+from mergeflow.events import EVENT_CHECKPOINT_SAVED, RESOURCE_PREFIX
+from mergeflow.flows.events import reachable_api_url
+from mergeflow.flows.checkpoint import format_with_checkpoint, merge_checkpoint_flow
+from mergeflow.flows.validate import validate_flow
+
+MERGE_DEPLOYMENT = "on-checkpoint"
+VALIDATE_DEPLOYMENT = "validate"
+TRIGGER_NAME = "mergeflow-checkpoint-saved"
+# One parameter carries the whole payload: `{{ event.payload.<key> }}` for an optional key the
+# event lacks makes Prefect fail the trigger's action, so defaults are resolved in the flow.
+TRIGGER_PARAMETERS = {"checkpoint": "{{ event.payload }}"}
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """Defaults of every triggered merge (an event's payload may override base_model and target)."""
+
+    base_model: str
+    target_root: str
+    output_format: str = DEFAULT_OUTPUT_FORMAT
+    dtype: str = DEFAULT_DTYPE
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
+    hf_upload_path: str | None = None
+    private: bool = False
+    workers: int = DEFAULT_WORKERS
+    task_runner: str = DEFAULT_TASK_RUNNER
+    dask_address: str | None = None
+
+    def checked(self) -> ServeSettings:
+        """Absolute paths, known choices; refuse what every triggered run would fail on."""
+        base = Path(self.base_model).expanduser().resolve()
+        root = Path(self.target_root).expanduser().resolve()
+        if not base.is_dir():
+            raise UsageError(f"--base_model {self.base_model} is not a local directory")
+        if not root.is_dir():
+            raise UsageError(f"--target-root {self.target_root} does not exist; create it first")
+        if self.output_format not in OUTPUT_FORMATS:
+            raise UsageError(f"--output_format must be one of {', '.join(OUTPUT_FORMATS)}")
+        if self.dtype not in DTYPES:
+            raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}")
+        if self.task_runner not in TASK_RUNNERS:
+            raise UsageError(f"--task-runner must be one of {', '.join(TASK_RUNNERS)}")
+        if self.workers < 1:
+            raise UsageError("--workers must be at least 1")
+        format_with_checkpoint(self.hf_upload_path, "run", 0, "--hf_upload_path")
+        return ServeSettings(**{**asdict(self), "base_model": str(base), "target_root": str(root)})
+
+    def parameters(self) -> dict[str, Any]:
+        """The merge deployment's default parameters (the trigger adds `checkpoint`)."""
+        return asdict(self)
+
+
+def checkpoint_trigger() -> DeploymentEventTrigger:
+    """Run the merge deployment once per `mergeflow.checkpoint.saved` event."""
+    return DeploymentEventTrigger(
+        name=TRIGGER_NAME,
+        expect={EVENT_CHECKPOINT_SAVED},
+        match={"prefect.resource.id": f"{RESOURCE_PREFIX}*"},
+        parameters=dict(TRIGGER_PARAMETERS),
+    )
+
+
+def build_deployments(settings: ServeSettings) -> list[RunnerDeployment]:
+    """The merge deployment (with its event trigger) and the validate deployment."""
+    merge = merge_checkpoint_flow.to_deployment(
+        name=MERGE_DEPLOYMENT,
+        parameters=settings.parameters(),
+        triggers=[checkpoint_trigger()],
+        description="Export a checkpoint named by a mergeflow.checkpoint.saved event (or by the `checkpoint` parameter).",
+        tags=["mergeflow"],
+        entrypoint_type=EntrypointType.MODULE_PATH,
+    )
+    validate = validate_flow.to_deployment(
+        name=VALIDATE_DEPLOYMENT,
+        description="Validate a published artifact, or the kept staging directory of a failed merge.",
+        tags=["mergeflow"],
+        entrypoint_type=EntrypointType.MODULE_PATH,
+    )
+    return [merge, validate]
+
+
+def serve_deployments(settings: ServeSettings, *, limit: int | None = 1) -> None:
+    """Register both deployments and run their flow runs here until interrupted (blocks)."""
+    from prefect import serve
+
+    settings = settings.checked()
+    # Without an API URL, serve would start a private temporary server no training job can reach.
+    reachable_api_url()
+    serve(*build_deployments(settings), limit=limit)

@@ -1,0 +1,1 @@
+"""The registry, the pipeline contract, the model schema, and per-architecture adapters."""

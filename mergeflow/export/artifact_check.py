@@ -1,0 +1,208 @@
+"""What `test` checks on an artifact without its source: manifest, configs, file tree, hashes, weights.
+
+The command line runs these checks in-process, and the validate flow runs them as a task: one
+function, two entry points. Nothing here imports Prefect or torch (the whole `test` process
+must start and finish in about a second), so records are only named for type checkers.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mergeflow.io.config_paths import is_config_json
+from mergeflow.errors import ArtifactInvalidError
+from mergeflow.io.fs import FileStamp, sha256_file
+from mergeflow.io.jsonfiles import read_json_strict
+from mergeflow.lora.artifact import ADAPTER_DIR, ADAPTER_MANIFEST, adapter_only_root, check_adapter_weights
+from mergeflow.formats.manifest import MANIFEST_NAME, PIPELINE_ARTIFACT_TYPES, check_manifest
+from mergeflow.architectures.contract import check_pipeline_artifact
+from mergeflow.formats.safetensors_format import nbytes
+from mergeflow.formats.weight_index import WEIGHT_NAMES, has_weights, read_weights
+from mergeflow.io.staging import artifact_root
+
+if TYPE_CHECKING:  # records pull in the rank-file loader (torch); `test` needs only their shape
+    from mergeflow.records import VerifiedFile
+
+# Below this size a file hashes in well under a millisecond: a pool would only add overhead.
+PARALLEL_HASH_MIN_BYTES = 16 * 1024 * 1024
+# More threads than cores on purpose: with shards of unequal size, one thread per big file lets the
+# kernel share the cores until the last file ends, instead of one core idling on the biggest shard.
+# hashlib releases the GIL for large updates, so the threads really run in parallel.
+MAX_HASH_THREADS = max(8, 2 * (os.cpu_count() or 1))
+
+
+@dataclass(frozen=True)
+class ArtifactSummary:
+    architecture: str
+    artifact_type: str
+    files: int
+    tensors: int
+    manifest: dict[str, Any]
+
+
+def _tree_sizes(root: Path) -> dict[str, int]:
+    """Size of every file under root by relative POSIX path; symlinks and special files are refused."""
+    found: dict[str, int] = {}
+    pending = [root]
+    while pending:
+        folder = pending.pop()
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                path = Path(entry.path)
+                if entry.is_symlink():
+                    raise ArtifactInvalidError(f"{path.relative_to(root)} is a symlink; artifacts hold plain files only")
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(path)
+                elif entry.is_file(follow_symlinks=False):
+                    found[path.relative_to(root).as_posix()] = entry.stat(follow_symlinks=False).st_size
+                else:
+                    raise ArtifactInvalidError(f"{path.relative_to(root)} is not a regular file")
+    return found
+
+
+def list_tree(root: Path) -> list[str]:
+    """Every file under root as a relative POSIX path; symlinks and special files are refused."""
+    return sorted(_tree_sizes(root))
+
+
+def check_tree_and_hashes(root: Path, files: dict[str, str], *, verified: Mapping[str, VerifiedFile] | None = None) -> None:
+    """The file tree equals the manifest's list exactly and every sha256 matches.
+
+    `verified` (staged exports only) names files whose digest this export proved from their
+    bytes: such a file is taken as read while its stamp is unchanged since; every other file,
+    and every file of a published artifact, is hashed here.
+    """
+    sizes = _tree_sizes(root)
+    sizes.pop(MANIFEST_NAME, None)
+    present, listed = set(sizes), set(files)
+    if present - listed:
+        raise ArtifactInvalidError(f"{sorted(present - listed)[0]} is in the artifact but not in the manifest")
+    if listed - present:
+        raise ArtifactInvalidError(f"{sorted(listed - present)[0]} is listed in the manifest but missing")
+    digests = {name: v.sha256 for name, v in (verified or {}).items() if name in listed and _unchanged(root / name, v)}
+    digests.update(_hash_files(root, {name: sizes[name] for name in listed - set(digests)}))
+    for name in sorted(listed):
+        if digests[name] != files[name]:
+            raise ArtifactInvalidError(f"{name} does not match its sha256 in the manifest: the file was changed or damaged")
+
+
+def _hash_files(root: Path, sizes: dict[str, int]) -> dict[str, str]:
+    """sha256 of each named file: big ones in parallel threads (largest first), small ones here meanwhile."""
+    big = sorted((n for n, s in sizes.items() if s >= PARALLEL_HASH_MIN_BYTES), key=lambda n: -sizes[n])
+    small = sorted(set(sizes) - set(big))
+    if len(big) < 2:  # nothing to overlap: threads would only add start-up cost
+        return {name: sha256_file(root / name) for name in big + small}
+    with ThreadPoolExecutor(max_workers=min(len(big), MAX_HASH_THREADS), thread_name_prefix="sha256") as pool:
+        futures = {name: pool.submit(sha256_file, root / name) for name in big}
+        digests = {name: sha256_file(root / name) for name in small}
+        digests.update({name: future.result() for name, future in futures.items()})
+    return digests
+
+
+def _unchanged(path: Path, verified: VerifiedFile) -> bool:
+    try:
+        return FileStamp.of(path) == verified.stamp
+    except FileNotFoundError:
+        return False
+
+
+def check_weights(tensor_dir: Path, rel_prefix: str, tensors: dict[str, Any]) -> int:
+    """The weight files (single or indexed) hold exactly the manifest's tensors."""
+    weights_name = next((name for name in WEIGHT_NAMES if has_weights(tensor_dir, name)), None)
+    if weights_name is None:
+        raise ArtifactInvalidError(f"{rel_prefix or '.'}/ holds no weights file")
+    stored = read_weights(tensor_dir, weights_name, ArtifactInvalidError, "the artifact")
+    # mergeflow's writer promises more than a base must keep: `format: pt` (what Diffusers and
+    # Transformers expect of a torch file) and an index total_size equal to the shards' bytes.
+    for file_name, metadata in sorted(stored.metadata.items()):
+        if metadata.get("format") != "pt":
+            raise ArtifactInvalidError(f"{file_name}: header metadata lacks format 'pt'")
+    found = stored.headers()
+    if stored.index is not None:
+        total = stored.total_size
+        if not isinstance(total, int) or isinstance(total, bool):
+            raise ArtifactInvalidError(f"{stored.index} must hold metadata.total_size and weight_map")
+        if total != sum(nbytes(d, s) for d, s in found.values()):
+            raise ArtifactInvalidError(f"{stored.index} total_size {total} does not match the shards")
+    if set(found) != set(tensors):
+        extra, missing = sorted(set(found) - set(tensors)), sorted(set(tensors) - set(found))
+        raise ArtifactInvalidError(f"weights and manifest disagree on the tensor set (extra {extra[:3]}, missing {missing[:3]})")
+    for key, (dtype, shape) in found.items():
+        info = tensors[key]
+        if info["dtype"] != dtype or list(shape) != info["shape"]:
+            raise ArtifactInvalidError(f"{key} is {dtype}{list(shape)} in the weights but {info['dtype']}{info['shape']} in the manifest")
+    return len(found)
+
+
+def check_configs(root: Path, manifest: dict[str, Any]) -> None:
+    """The root config names the manifest's architecture; no config leaks a local path."""
+    if manifest["artifact_type"] == "peft_adapter":
+        return
+    if manifest["artifact_type"] in PIPELINE_ARTIFACT_TYPES:
+        check_pipeline_artifact(root, manifest)  # the (modular) model_index.json and every declared component
+    else:
+        data = read_json_strict(root / "config.json", ArtifactInvalidError, "config.json")
+        if not isinstance(data, dict) or data.get("_class_name") != manifest["architecture"]:
+            raise ArtifactInvalidError(f"config.json names {data.get('_class_name') if isinstance(data, dict) else None!r}, "
+                                  f"but the manifest says {manifest['architecture']!r}")
+    tensor_dir = root / manifest["tensor_directory"]
+    if not (tensor_dir / "config.json").is_file():
+        raise ArtifactInvalidError(f"{manifest['tensor_directory']}/config.json is missing")
+    for rel in manifest["files"]:
+        if is_config_json(rel):
+            cfg = read_json_strict(root / rel, ArtifactInvalidError, rel)
+            if isinstance(cfg, dict) and ("_name_or_path" in cfg or "name_or_path" in cfg):
+                raise ArtifactInvalidError(f"{rel} still holds _name_or_path (a local path)")
+
+
+def manifest_relpath(root: Path) -> str:
+    """Where an artifact's manifest is: at its root, or in lora_adapter/ for a LoRA-only adapter export."""
+    return ADAPTER_MANIFEST if adapter_only_root(root) is not None else MANIFEST_NAME
+
+
+def validate_artifact_dir(root: Path, verified: Mapping[str, VerifiedFile] | None = None) -> ArtifactSummary:
+    """Everything `test` checks, without the source checkpoint (`verified`: see check_tree_and_hashes)."""
+    if not root.is_dir():
+        raise ArtifactInvalidError(f"{root} is not a directory")
+    adapter_only = adapter_only_root(root)
+    if adapter_only is not None:
+        return validate_artifact_dir(adapter_only, _below(verified, adapter_only.relative_to(root).as_posix()))
+    manifest_path = root / MANIFEST_NAME
+    if manifest_path.is_symlink() or not manifest_path.is_file():
+        raise ArtifactInvalidError(f"{root.name} has no {MANIFEST_NAME}; is it a mergeflow artifact?")
+    manifest = check_manifest(read_json_strict(manifest_path, ArtifactInvalidError, MANIFEST_NAME))
+    check_tree_and_hashes(root, manifest["files"], verified=verified)
+    check_configs(root, manifest)
+    tensor_dir = root / manifest["tensor_directory"]
+    prefix = "" if manifest["tensor_directory"] == "." else manifest["tensor_directory"]
+    if manifest["artifact_type"] == "peft_adapter":
+        count = check_adapter_weights(root, manifest)
+    else:
+        count = check_weights(tensor_dir, prefix, manifest["tensors"]) if manifest["tensors"] else 0
+    if ADAPTER_MANIFEST in manifest["files"]:  # an exported adapter beside the model: an artifact of its own
+        if validate_artifact_dir(root / ADAPTER_DIR, _below(verified, ADAPTER_DIR)).artifact_type != "peft_adapter":
+            raise ArtifactInvalidError(f"{ADAPTER_DIR}/ holds an artifact that is not a peft_adapter")
+    return ArtifactSummary(manifest["architecture"], manifest["artifact_type"], len(manifest["files"]) + 1, count, manifest)
+
+
+def _below(verified: Mapping[str, VerifiedFile] | None, prefix: str) -> dict[str, VerifiedFile] | None:
+    """The entries of `verified` inside directory `prefix`, relative to it."""
+    if not verified:
+        return None
+    return {name.removeprefix(f"{prefix}/"): v for name, v in verified.items() if name.startswith(f"{prefix}/")}
+
+
+def artifact_to_check(test_hf_dir: str | Path) -> Path:
+    """The directory `test` validates: the artifact itself, or the one staged in a failed merge's kept staging dir."""
+    return artifact_root(Path(test_hf_dir).expanduser().resolve())
+
+
+def check_artifact(test_hf_dir: str | Path) -> dict[str, str]:
+    """`mergeflow test`: every check above on the artifact at test_hf_dir, as the one-line JSON result."""
+    summary = validate_artifact_dir(artifact_to_check(test_hf_dir))
+    return {"integrity": "passed", "architecture": summary.architecture}

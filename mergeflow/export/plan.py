@@ -1,0 +1,114 @@
+"""Planning an export from metadata alone: flags, paths, checkpoint shape, base schema -> MergePlan.
+
+`build_plan` is the one place a `MergePlan` is made. A model export (pipeline or transformer,
+LoRA fused or not) and a LoRA-only adapter export differ in how they find their base and
+target schema; everything else (the checkpoint's files, the input stamps, the fingerprint that
+names the staging directory) is decided here once for both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mergeflow.architectures.registry import detect_base
+from mergeflow.architectures.schema import read_model_config
+from mergeflow.config import ModelMergerConfig
+from mergeflow.errors import CheckpointError
+from mergeflow.export.preflight import check_output_format, resolve_inputs
+from mergeflow.export.targets import TargetSchema, pipeline_target, transformer_target
+from mergeflow.formats.manifest import fingerprint
+from mergeflow.formats.verl_checkpoint import FSDP_CONFIG, read_fsdp_config, rank_file_names
+from mergeflow.io.fs import FileStamp, sha256_file
+from mergeflow.io.paths import lock_path_for, staging_dir_for
+from mergeflow.io.prefetch import DigestPrefetch
+from mergeflow.lora.detect import adapter_target, detect_lora, finish_lora_spec, lora_input_files, resolve_adapter_inputs
+from mergeflow.lora.plan import LoraSpec
+from mergeflow.records import BaseInputs, CheckpointInputs, ExportOptions, MergePlan, OutputTarget
+
+# Options that do not change a byte of the artifact stay out of the fingerprint, so changing
+# them keeps a half-done export resumable.
+_NOT_FINGERPRINTED = ("workers", "hf_upload_path", "private")
+
+
+@dataclass(frozen=True)
+class _Decided:
+    """What one kind of export decided about its base and target, before the staging name."""
+
+    schema: TargetSchema
+    base: BaseInputs
+    lora: LoraSpec | None
+    stamps: dict[str, FileStamp]
+
+
+def build_plan(config: ModelMergerConfig) -> MergePlan:
+    """Decide everything about an export from metadata alone, refusing bad input early."""
+    config.validate()
+    lora = detect_lora(config)  # None without LoRA; LoRA faults are refused here, before any output
+    adapter_only = lora is not None and lora.adapter_only
+    # A LoRA-only adapter needs no local base: its base may be a Hub name.
+    paths = resolve_adapter_inputs(config) if adapter_only else resolve_inputs(config)
+    actor, target = paths["actor"], paths["target"]
+    fsdp = read_fsdp_config(actor)
+    rank_files = rank_file_names(actor, fsdp.world_size)
+    # The manifest's rank-file digests: hashed on the idle core while the schema is built.
+    DigestPrefetch.start([actor / name for name in rank_files])
+    actor_config_path = paths["config_dir"] / "config.json"
+    if adapter_only:
+        assert lora is not None
+        actor_config = read_model_config(actor_config_path, CheckpointError, "huggingface/config.json of the checkpoint")
+        decided = _adapter_export(config, lora, paths.get("base"), actor_config)
+    else:
+        decided = _model_export(config, lora, paths["base"], actor_config_path)
+    inputs = [actor / FSDP_CONFIG, actor_config_path] + [actor / n for n in rank_files]
+    stamps = {str(p): FileStamp.of(p) for p in inputs}
+    stamps.update(decided.stamps)
+    options = {k: v for k, v in config.to_dict().items() if k not in _NOT_FINGERPRINTED}
+    fp = fingerprint([options, {k: list(v.__dict__.values()) for k, v in stamps.items()}, str(target), decided.base.files])
+    schema = decided.schema
+    return MergePlan(
+        options=ExportOptions(dtype=config.dtype, max_shard_size=config.max_shard_size,  # type: ignore[arg-type]
+                              trust_checkpoint=config.trust_checkpoint, workers=config.workers),
+        checkpoint=CheckpointInputs(actor_dir=str(actor), config_dir=str(paths["config_dir"]), world_size=fsdp.world_size,
+                                    fsdp_version=fsdp.version, rank_files=tuple(rank_files),
+                                    config_sha256=sha256_file(actor_config_path)),
+        base=decided.base,
+        output=OutputTarget(target=str(target), staging=str(staging_dir_for(target, fp)), lock=str(lock_path_for(target)),
+                            artifact_type=schema.artifact_type, architecture=schema.architecture,
+                            transformer_class=schema.transformer_class, component=config.component,
+                            tensor_directory=schema.tensor_directory, weights_name=schema.weights_name,
+                            expected_shapes=schema.expected_shapes, keep_fp32=schema.keep_fp32),
+        input_stamps=stamps,
+        fingerprint=fp,
+        lora=decided.lora,
+        conversion=schema.conversion,
+    )
+
+
+def _model_export(config: ModelMergerConfig, lora: LoraSpec | None, base: Path, actor_config_path: Path) -> _Decided:
+    """A pipeline or standalone transformer: the local base's schema, files and (for LoRA) weights."""
+    layout = detect_base(base, config.component)
+    check_output_format(config, layout)
+    actor_config = read_model_config(actor_config_path, CheckpointError, "huggingface/config.json of the checkpoint")
+    if config.output_format == "pipeline":
+        schema = pipeline_target(config, base, actor_config)
+    else:
+        schema = transformer_target(base, layout, actor_config)
+    stamps = dict(schema.base_stamps)
+    files = dict(schema.base_files)
+    if lora is not None:
+        lora_inputs = finish_lora_spec(lora, config, base, layout, schema.component_dir, schema.weights_name)
+        stamps.update(lora_inputs.stamps)
+        files.update(lora_inputs.base_files)
+        lora = lora_inputs.spec
+    return _Decided(schema, BaseInputs(base_dir=str(base), kind=layout.kind, component_dir=str(schema.component_dir),  # type: ignore[arg-type]
+                                       files=files, copy_files=schema.copy_files), lora, stamps)
+
+
+def _adapter_export(config: ModelMergerConfig, lora: LoraSpec, base: Path | None, actor_config: dict[str, Any]) -> _Decided:
+    """A LoRA-only save's adapter: the base is checked when present, else only named."""
+    schema, base_inputs, spec = adapter_target(config, lora, base, actor_config)
+    actor = Path(config.local_dir or "").expanduser().resolve()
+    stamps = {str(p): FileStamp.of(p) for p in lora_input_files(config, actor)}
+    return _Decided(schema, base_inputs, spec, stamps)

@@ -1,0 +1,191 @@
+"""The refusals that need no tensor data, answered before Prefect, torch or diffusers load.
+
+`preflight_merge` runs in the command line before any Prefect server is started or
+contacted, so a wrong path or flag costs a fraction of a second instead of a server start.
+It reads directory listings and small JSON files only. The flow's inspect task still runs
+every one of these checks (and the data-dependent ones) itself; the pre-flight may only
+refuse what the flow would refuse too, never something it would accept. Where the flow's
+decision depends on the rank files' keys (is this a LoRA-only save?), the pre-flight runs
+only the checks that every branch of that decision runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from mergeflow.architectures.registry import PIPELINES, BaseLayout, detect_base
+from mergeflow.formats.verl_checkpoint import LORA_META, read_fsdp_config, rank_file_names
+from mergeflow.config import ModelMergerConfig
+from mergeflow.errors import BaseModelError, CheckpointError, SchemaMismatchError, UsageError
+from mergeflow.io.jsonfiles import read_json_strict
+from mergeflow.io.paths import check_no_overlap, check_target
+
+CHECKPOINT_CONFIG = "huggingface/config.json of the checkpoint"
+
+
+def resolve_inputs(config: ModelMergerConfig) -> dict[str, Path]:
+    """Absolute input/output paths, checked for existence and overlap."""
+    actor = Path(config.local_dir or "").expanduser().resolve()
+    cfg_dir = Path(config.hf_model_config_path or actor / "huggingface").expanduser().resolve()
+    base = Path(config.base_model or "").expanduser()
+    if not base.exists():
+        raise UsageError(
+            f"--base_model {config.base_model} is not a local directory; download the base first "
+            "(e.g. `hf download ORG/REPO --local-dir DIR`) and pass that directory"
+        )
+    base = base.resolve()
+    target = check_target(Path(config.target_dir or ""))
+    if not actor.is_dir():
+        raise CheckpointError(f"--local_dir {actor} is not a directory")
+    check_no_overlap({"--local_dir": actor, "--base_model": base, "--target_dir": target})
+    check_no_overlap({"--hf_model_config_path": cfg_dir, "--target_dir": target})
+    check_no_overlap({"--hf_model_config_path": cfg_dir, "--base_model": base})
+    return {"actor": actor, "config_dir": cfg_dir, "base": base, "target": target}
+
+
+def check_output_format(config: ModelMergerConfig, layout: BaseLayout) -> None:
+    """Pipeline output needs a pipeline base; say so before any work."""
+    if config.output_format == "pipeline" and layout.kind != "pipeline":
+        raise UsageError("--output_format pipeline needs a base pipeline (a directory with model_index.json); "
+                         "use --output_format transformer for a standalone transformer base")
+
+
+def preflight_merge(config: ModelMergerConfig) -> list[Path]:
+    """Refuse a merge whose flags, paths, fsdp_config.json, rank-file set or classes are wrong.
+
+    Returns the rank files it found, so the caller can start hashing them at once.
+    """
+    config.validate()
+    actor = Path(config.local_dir or "").expanduser().resolve()
+    if not actor.is_dir():
+        raise CheckpointError(f"--local_dir {actor} is not a directory")
+    fsdp = read_fsdp_config(actor)
+    rank_files = [actor / name for name in rank_file_names(actor, fsdp.world_size)]
+    has_meta = (actor / LORA_META).is_file()
+    _check_lora_flags(config, has_meta)
+    if has_meta and not config.fuse_lora:
+        _preflight_maybe_adapter(config, actor)
+    else:
+        _preflight_with_base(config)
+    return rank_files
+
+
+def _check_lora_flags(config: ModelMergerConfig, has_meta: bool) -> None:
+    """LoRA flags the flow refuses whatever the rank files hold."""
+    if config.fuse_lora and config.adapter_format != "peft":
+        raise UsageError("--adapter-format chooses how an adapter is exported; with --fuse-lora no adapter is written")
+    if config.adapter_config and not Path(config.adapter_config).expanduser().is_file():
+        raise UsageError(f"--adapter-config {config.adapter_config} is not a file")
+    if has_meta:
+        return
+    # Without lora_train_meta.json the flow refuses LoRA flags: either the checkpoint has no
+    # adapters, or it has some whose r and lora_alpha are unknown.
+    used = [flag for flag, on in (("--fuse-lora", config.fuse_lora), ("--adapter-config", bool(config.adapter_config)),
+                                  ("--adapter-format", config.adapter_format != "peft")) if on]
+    if used:
+        raise UsageError(f"{used[0]} is for LoRA checkpoints, but this one has no {LORA_META} (a LoRA run's "
+                         f"actor directory holds it); drop {used[0]} or copy {LORA_META} from the training run")
+
+
+def _preflight_with_base(config: ModelMergerConfig) -> None:
+    """Every export except a LoRA-only adapter needs a local base: paths, layout, classes."""
+    paths = resolve_inputs(config)
+    layout = detect_base(paths["base"], config.component)
+    check_output_format(config, layout)
+    arch = PIPELINES.get(layout.class_name) if layout.kind == "pipeline" else None
+    if config.output_format == "pipeline" and arch is not None and config.component not in arch.trainable:
+        raise UsageError(f"--component {config.component}: a {arch.pipeline_class} checkpoint can replace "
+                         f"{', '.join(arch.trainable)}")
+    actor_config = _read_config(paths["config_dir"] / "config.json", CheckpointError, CHECKPOINT_CONFIG)
+    if config.output_format == "transformer" or (arch is not None and arch.adapter.instantiates_model):
+        _check_same_diffusers_class(actor_config, paths["base"], layout)
+
+
+def _preflight_maybe_adapter(config: ModelMergerConfig, actor: Path) -> None:
+    """A LoRA run: only the rank files' keys tell a LoRA-only save (no base needed) from a full one.
+
+    So only what both inspections check: target and overlaps, and the base when it is a directory.
+    """
+    cfg_dir = Path(config.hf_model_config_path or actor / "huggingface").expanduser().resolve()
+    target = check_target(Path(config.target_dir or ""))
+    check_no_overlap({"--local_dir": actor, "--target_dir": target})
+    check_no_overlap({"--hf_model_config_path": cfg_dir, "--target_dir": target})
+    actor_config = _read_config(cfg_dir / "config.json", CheckpointError, CHECKPOINT_CONFIG)
+    base_arg = Path(config.base_model or "").expanduser()
+    if not base_arg.is_dir():  # a Hub id: the adapter export takes the schema from the class alone
+        _check_known_class(_checkpoint_class(actor_config))
+        return
+    base = base_arg.resolve()
+    check_no_overlap({"--local_dir": actor, "--base_model": base, "--target_dir": target})
+    layout = detect_base(base, config.component)
+    arch = PIPELINES.get(layout.class_name) if layout.kind == "pipeline" else None
+    if config.output_format == "transformer" or (arch is not None and arch.adapter.instantiates_model):
+        _check_same_diffusers_class(actor_config, base, layout)
+
+
+def _read_config(path: Path, error: type[CheckpointError] | type[BaseModelError], what: str) -> dict[str, Any]:
+    data = read_json_strict(path, error, what)
+    if not isinstance(data, dict):
+        raise error(f"{what} must be a JSON object")
+    return data
+
+
+def _checkpoint_class(actor_config: dict[str, Any]) -> str:
+    name = actor_config.get("_class_name")
+    if not isinstance(name, str):
+        raise CheckpointError("huggingface/config.json of the checkpoint has no _class_name")
+    return name
+
+
+def _check_same_diffusers_class(actor_config: dict[str, Any], base: Path, layout: BaseLayout) -> None:
+    """The checks of the flow's Diffusers schema step that need only the two configs."""
+    path = layout.transformer_dir / "config.json"
+    base_config = _read_config(path, BaseModelError, f"{path.relative_to(base)} of the base")
+    actor_class, base_class = _checkpoint_class(actor_config), base_config.get("_class_name")
+    if actor_class != base_class:
+        raise SchemaMismatchError(f"the checkpoint is a {actor_class} but the base transformer is a {base_class}")
+    _check_known_class(actor_class)
+
+
+def _check_known_class(class_name: str) -> None:
+    """Refuse a class that diffusers does not export, without importing diffusers (and torch)."""
+    names = _diffusers_exported_names()
+    if names is not None and class_name not in names:
+        raise BaseModelError(f"unknown model class {class_name!r}: it is not a Diffusers model class in "
+                             f"diffusers {_diffusers_version()}")
+
+
+_QUOTED = re.compile(r"[\"']([A-Za-z_][A-Za-z0-9_]*)[\"']")
+
+
+@lru_cache(maxsize=1)
+def _diffusers_exported_names() -> frozenset[str] | None:
+    """Every name diffusers' package `__init__` declares, read from its source; None when unsure.
+
+    diffusers exposes its classes through a lazy module built from string lists in
+    `__init__.py`, so a name missing there cannot be a Diffusers class. Reading the file
+    takes a millisecond; importing diffusers takes seconds and imports torch. If the file
+    no longer looks like that (a future diffusers), this returns None and the flow decides.
+    """
+    spec = importlib.util.find_spec("diffusers")  # a top-level name: located, not imported
+    if spec is None or spec.origin is None:
+        return None
+    try:
+        text = Path(spec.origin).read_text(encoding="utf-8")
+    except OSError:
+        return None
+    names = frozenset(_QUOTED.findall(text))
+    return names if {"ModelMixin", "FluxTransformer2DModel"} <= names else None
+
+
+def _diffusers_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("diffusers")
+    except PackageNotFoundError:
+        return "(not installed)"

@@ -1,0 +1,126 @@
+"""Finishing an export: configs, index and manifest into staging, then the atomic publish."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from mergeflow.errors import ArtifactInvalidError
+from mergeflow.export.artifact_check import list_tree, manifest_relpath
+from mergeflow.export.shard_writer import write_component_config, write_weight_index
+from mergeflow.formats.manifest import (
+    MANIFEST_NAME,
+    SCHEMA_VERSION,
+    fingerprint,
+    producer_versions,
+)
+from mergeflow.io.fs import fsync_dir, make_readable, rename_noreplace, sha256_file
+from mergeflow.io.jsonfiles import write_json_durable
+from mergeflow.records import (
+    FileRecord,
+    MergePlan,
+    OutputPlan,
+    ShardRecord,
+    ValidationReport,
+)
+
+LAYERS_PASSED = {"structure": "passed", "source_round_trip": "passed", "artifact_round_trip": "passed",
+                 "integrity": "passed", "runtime": "not_run"}
+
+
+def write_metadata_files(plan: MergePlan, output: OutputPlan) -> tuple[list[FileRecord], dict[str, Any]]:
+    """The component config (path keys removed) and the weight index, hashed as written."""
+    tensor_dir = Path(plan.output.tensor_dir)
+    raw, removed = write_component_config(Path(plan.base.component_dir) / "config.json", tensor_dir / "config.json")
+    records = [FileRecord(plan.output.relative("config.json"), sha256_file(tensor_dir / "config.json"), len(raw), "written")]
+    index = write_weight_index(output, plan.output.weights_name, tensor_dir)
+    if index is not None:
+        name = f"{plan.output.weights_name}.index.json"
+        records.append(FileRecord(plan.output.relative(name), sha256_file(tensor_dir / name), len(index), "written"))
+    return records, config_transform_record(plan, removed)
+
+
+def config_transform_record(plan: MergePlan, trained_removed: list[str]) -> dict[str, Any]:
+    """Manifest config_transform: local-path keys removed per config, the tensor conversion, base files left out."""
+    removed = {plan.output.relative("config.json"): trained_removed} if trained_removed else {}
+    removed.update(plan.conversion.config_changes)  # copied configs (computed at inspect, re-checked on copy)
+    record: dict[str, Any] = {"removed_keys": dict(sorted(removed.items()))}
+    if plan.conversion.adapter:
+        record["tensor_conversion"] = {"adapter": plan.conversion.adapter, **plan.conversion.adapter_params}
+    if plan.conversion.not_copied:
+        record["not_copied"] = dict(sorted(plan.conversion.not_copied.items()))
+    return record
+
+
+def build_manifest(
+    plan: MergePlan,
+    rank_digests: dict[str, str],
+    shards: list[ShardRecord],
+    files: list[FileRecord],
+    config_transform: dict[str, Any],
+    lora_fusion: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The manifest of SPEC section 5, built from records only (no absolute paths).
+
+    rank_digests maps every rank file name to its sha256 (see mergeflow.export.rank_index.hash_rank_file).
+    """
+    if set(rank_digests) != set(plan.checkpoint.rank_files):
+        raise ArtifactInvalidError("the rank files hashed for the manifest are not the checkpoint's rank files")
+    source_files = {name: rank_digests[name] for name in plan.checkpoint.rank_files}
+    source_files["fsdp_config.json"] = sha256_file(Path(plan.checkpoint.actor_dir) / "fsdp_config.json")
+    if plan.lora is not None:
+        source_files.update(plan.lora.source_files)  # lora_train_meta.json (and adapter_config.json)
+    smc = {"sha256": plan.checkpoint.config_sha256, "logical_path": "huggingface/config.json"}
+    tensors = {name: {"shape": list(shape), "dtype": dtype} for s in shards for name, (dtype, shape) in s.tensors.items()}
+    out_files = {plan.output.relative(s.file_name): s.sha256 for s in shards}
+    out_files.update({f.rel_path: f.sha256 for f in files})
+    manifest: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "artifact_type": plan.output.artifact_type,
+        "architecture": plan.output.architecture,
+        "backend": "fsdp",
+        "trained_components": [plan.output.component],
+        "tensor_directory": plan.output.tensor_directory,
+        "dtype": plan.options.dtype,
+        "max_shard_size_bytes": plan.options.max_shard_size,
+        "source_files": source_files,
+        "source_model_config": smc,
+        "source_fingerprint": fingerprint([source_files, smc]),
+        "base_files": dict(plan.base.files),
+        "base_fingerprint": fingerprint(plan.base.files),
+        "files": dict(sorted(out_files.items())),
+        "tensors": dict(sorted(tensors.items())),
+        "config_transform": config_transform,
+        "producer": producer_versions(),
+        "verification": dict(LAYERS_PASSED),
+        "checkpoint": {"world_size": plan.checkpoint.world_size, "fsdp_version": plan.checkpoint.fsdp_version},
+    }
+    if lora_fusion is not None:
+        manifest["lora_fusion"] = lora_fusion
+    return manifest
+
+
+def finalize_staging(plan: MergePlan, output: OutputPlan, rank_digests: dict[str, str], shards: list[ShardRecord],
+                     extra_files: list[FileRecord] | None = None, lora_fusion: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write the remaining files and the manifest into the staging artifact (extra_files: e.g. lora_adapter/)."""
+    files, transform = write_metadata_files(plan, output)
+    manifest = build_manifest(plan, rank_digests, shards, files + list(extra_files or []), transform, lora_fusion)
+    write_json_durable(Path(plan.output.artifact_dir) / MANIFEST_NAME, manifest, indent=2)
+    return manifest
+
+
+def publish_staged(plan: MergePlan, report: ValidationReport) -> dict[str, str]:
+    """Final self-check, normal permissions, then rename into place without ever replacing."""
+    artifact = Path(plan.output.artifact_dir)
+    target = Path(plan.output.target)
+    manifest_rel = manifest_relpath(artifact)
+    if sha256_file(artifact / manifest_rel) != report.manifest_sha256:
+        raise ArtifactInvalidError("the staged manifest changed after validation; nothing was published")
+    if len(list_tree(artifact)) != report.files_checked:
+        raise ArtifactInvalidError("the staged tree changed after validation; nothing was published")
+    make_readable(artifact)
+    rename_noreplace(artifact, target)
+    fsync_dir(target.parent)
+    shutil.rmtree(plan.output.staging, ignore_errors=True)
+    return {"output_dir": str(target), "manifest_path": str(target / manifest_rel)}

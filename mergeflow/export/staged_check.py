@@ -1,0 +1,61 @@
+"""Layer 4 on a staged export, before publication: inputs unchanged, loadable, and everything `test` checks."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from mergeflow.export.artifact_check import manifest_relpath, validate_artifact_dir
+from mergeflow.errors import InputChangedError, ArtifactInvalidError
+from mergeflow.io.fs import FileStamp, sha256_file
+from mergeflow.records import MergePlan, ValidationReport, VerifiedFile
+
+
+def check_inputs_unchanged(plan: MergePlan) -> None:
+    """Every input file still has the size and timestamps it had when the export planned it."""
+    for path, stamp in plan.input_stamps.items():
+        try:
+            now = FileStamp.of(Path(path))
+        except FileNotFoundError:
+            raise InputChangedError(f"input {Path(path).name} disappeared during the export") from None
+        if now != stamp:
+            raise InputChangedError(f"input {Path(path).name} changed during the export; rerun once it is stable")
+
+
+def check_loadable(plan: MergePlan, tensors: dict[str, Any]) -> None:
+    """What from_pretrained needs: the staged config builds the class with exactly these tensors."""
+    from mergeflow.architectures.schema import model_schema, read_model_config  # diffusers, unless the schema is cached
+
+    if plan.output.artifact_type != "diffusers_transformer" and plan.output.tensor_directory == ".":
+        return
+    if plan.conversion.output_shapes is not None:  # a converted or remote-code schema, fixed at inspect
+        if {k: list(v) for k, v in plan.conversion.output_shapes.items()} != {k: v["shape"] for k, v in tensors.items()}:
+            raise ArtifactInvalidError("the staged weights do not match the schema planned for this artifact")
+        return
+    config = read_model_config(Path(plan.output.tensor_dir) / "config.json", ArtifactInvalidError, "staged config.json")
+    want = {k: list(v) for k, v in model_schema(plan.output.transformer_class, config).tensors.items()}
+    have = {k: v["shape"] for k, v in tensors.items()}
+    if want != have:
+        raise ArtifactInvalidError("the staged weights do not match what the staged config builds")
+
+
+def validate_staged(plan: MergePlan, manifest: dict[str, Any],
+                    verified: Mapping[str, VerifiedFile] | None = None) -> ValidationReport:
+    """Layer 4 on the staging tree: inputs unchanged, loadable, and everything `test` checks.
+
+    `verified` maps paths relative to the artifact root to the digests the shard writers
+    proved (see artifact_check.check_tree_and_hashes).
+    """
+    check_inputs_unchanged(plan)
+    check_loadable(plan, manifest["tensors"])
+    artifact = Path(plan.output.artifact_dir)
+    summary = validate_artifact_dir(artifact, verified)
+    return ValidationReport(
+        artifact_dir=plan.output.artifact_dir,
+        manifest_sha256=sha256_file(artifact / manifest_relpath(artifact)),
+        architecture=summary.architecture,
+        files_checked=summary.files,
+        tensors_checked=summary.tensors,
+        layers=dict(manifest["verification"]),
+    )

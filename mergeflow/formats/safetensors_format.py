@@ -1,0 +1,113 @@
+"""The safetensors container: dtype names, header layout and strict header parsing."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mergeflow.errors import ArtifactInvalidError
+
+if TYPE_CHECKING:  # torch only where tensors are made: `mergeflow test` reads headers without it
+    import torch
+
+# torch dtype name <-> safetensors dtype tag, with the element size in bytes.
+DTYPES: dict[str, tuple[str, int]] = {
+    "float64": ("F64", 8),
+    "float32": ("F32", 4),
+    "float16": ("F16", 2),
+    "bfloat16": ("BF16", 2),
+    "float8_e4m3fn": ("F8_E4M3", 1),
+    "float8_e5m2": ("F8_E5M2", 1),
+    "int64": ("I64", 8),
+    "int32": ("I32", 4),
+    "int16": ("I16", 2),
+    "int8": ("I8", 1),
+    "uint8": ("U8", 1),
+    "uint16": ("U16", 2),
+    "uint32": ("U32", 4),
+    "uint64": ("U64", 8),
+    "bool": ("BOOL", 1),
+}
+TAG_TO_NAME = {tag: name for name, (tag, _) in DTYPES.items()}
+HEADER_ALIGN = 8
+MAX_HEADER = 100 * 1024 * 1024
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, name)
+
+
+def nbytes(dtype: str, shape: tuple[int, ...] | list[int]) -> int:
+    return DTYPES[dtype][1] * math.prod(shape)
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    dtype: str  # torch dtype name
+    shape: tuple[int, ...]
+    begin: int  # offset within the data section
+    end: int
+
+
+def build_header(tensors: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]) -> tuple[bytes, dict[str, HeaderEntry]]:
+    """Header bytes (length prefix included) for tensors laid out in the given order."""
+    header: dict[str, object] = {"__metadata__": metadata}
+    entries: dict[str, HeaderEntry] = {}
+    offset = 0
+    for name, dtype, shape in tensors:
+        size = nbytes(dtype, shape)
+        header[name] = {"dtype": DTYPES[dtype][0], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        entries[name] = HeaderEntry(dtype, tuple(shape), offset, offset + size)
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    # Pad with spaces so the data section starts 8-byte aligned, as the reference writer does.
+    text += b" " * ((-len(text)) % HEADER_ALIGN)
+    return struct.pack("<Q", len(text)) + text, entries
+
+
+def read_header(path: Path) -> tuple[dict[str, HeaderEntry], dict[str, str], int]:
+    """Parse and check a safetensors header: (entries, metadata, data section start)."""
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) != 8:
+            raise ArtifactInvalidError(f"{path.name} is not a safetensors file (shorter than 8 bytes)")
+        (length,) = struct.unpack("<Q", prefix)
+        if length > MAX_HEADER or 8 + length > size:
+            raise ArtifactInvalidError(f"{path.name}: safetensors header length {length} is invalid")
+        raw = handle.read(length)
+    try:
+        header = json.loads(raw)
+    except ValueError as exc:
+        raise ArtifactInvalidError(f"{path.name}: safetensors header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise ArtifactInvalidError(f"{path.name}: safetensors header is not an object")
+    metadata = header.pop("__metadata__", {}) or {}
+    entries: dict[str, HeaderEntry] = {}
+    spans = []
+    for name, info in header.items():
+        try:
+            tag, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+            dtype = TAG_TO_NAME[tag]
+        except (KeyError, TypeError, ValueError):
+            raise ArtifactInvalidError(f"{path.name}: malformed header entry for {name!r}") from None
+        if end - begin != nbytes(dtype, shape) or begin < 0:
+            raise ArtifactInvalidError(f"{path.name}: {name} has offsets {begin}..{end} that do not match {tag}{list(shape)}")
+        entries[name] = HeaderEntry(dtype, shape, begin, end)
+        spans.append((begin, end))
+    spans.sort()
+    cursor = 0
+    for begin, end in spans:
+        if begin != cursor:
+            raise ArtifactInvalidError(f"{path.name}: tensor data has a gap or overlap at byte {begin}")
+        cursor = end
+    data_start = 8 + length
+    if data_start + cursor != size:
+        raise ArtifactInvalidError(f"{path.name}: file is {size} bytes but the header describes {data_start + cursor}")
+    return entries, metadata, data_start

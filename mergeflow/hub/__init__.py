@@ -1,0 +1,1 @@
+"""The Hugging Face Hub: upload, verification, retries."""

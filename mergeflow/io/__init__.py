@@ -1,0 +1,1 @@
+"""Filesystem primitives, hashing stream writer, strict JSON, path rules, staging dirs."""

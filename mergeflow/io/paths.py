@@ -1,0 +1,65 @@
+"""Path rules: relative names that cannot escape, inputs that do not overlap, staging names."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path, PurePosixPath
+
+from mergeflow.errors import PathSafetyError, TargetExistsError, UsageError
+
+STAGING_MARKER = ".mergeflow-staging-"
+LOCK_SUFFIX = ".mergeflow.lock"
+
+
+def check_relative_name(name: str, what: str) -> str:
+    """Accept only a plain relative POSIX path (no absolute, '..', backslash, empty part)."""
+    if not isinstance(name, str) or not name:
+        raise PathSafetyError(f"{what}: empty or non-string file name {name!r}")
+    if "\\" in name or "\x00" in name:
+        raise PathSafetyError(f"{what}: file name {name!r} contains a backslash or NUL")
+    pure = PurePosixPath(name)
+    if pure.is_absolute() or name.startswith("/"):
+        raise PathSafetyError(f"{what}: file name {name!r} is absolute")
+    if any(part in ("..", ".", "") for part in name.split("/")):
+        raise PathSafetyError(f"{what}: file name {name!r} contains '..', '.' or an empty part")
+    return name
+
+
+def _within(child: Path, parent: Path) -> bool:
+    return child == parent or parent in child.parents
+
+
+def check_no_overlap(named: dict[str, Path]) -> None:
+    """No two of the given directories may be equal or nested in one another."""
+    items = [(label, path.resolve()) for label, path in named.items()]
+    for i, (label_a, a) in enumerate(items):
+        for label_b, b in items[i + 1 :]:
+            if _within(a, b) or _within(b, a):
+                raise PathSafetyError(f"{label_a} ({a}) and {label_b} ({b}) overlap; use separate directories")
+
+
+def check_target(target: Path) -> Path:
+    """The target must not exist and its parent must; returns the absolute target."""
+    target = Path(target).expanduser()
+    if target.name in ("", ".", ".."):
+        raise UsageError(f"--target_dir {target} must name a new directory")
+    absolute = target.parent.resolve() / target.name
+    if absolute.exists() or absolute.is_symlink():
+        raise TargetExistsError(f"target {absolute} already exists; mergeflow never overwrites, choose a new --target_dir")
+    if not absolute.parent.is_dir():
+        raise UsageError(f"the parent of --target_dir ({absolute.parent}) does not exist; create it first")
+    return absolute
+
+
+def staging_dir_for(target: Path, fingerprint: str) -> Path:
+    """Hidden staging directory beside the target (same filesystem, so rename is atomic).
+
+    Its name depends on the target and the input fingerprint, so rerunning the same export
+    finds and resumes the same staging directory.
+    """
+    key = hashlib.sha256(f"{target}\0{fingerprint}".encode()).hexdigest()[:16]
+    return target.parent / f".{target.name}{STAGING_MARKER}{key}"
+
+
+def lock_path_for(target: Path) -> Path:
+    return target.parent / f".{target.name}{LOCK_SUFFIX}"

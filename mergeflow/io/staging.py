@@ -1,0 +1,239 @@
+"""Kept staging directories of failed or interrupted exports: find, describe, remove.
+
+A failed export leaves `.<target>.mergeflow-staging-<key>/` beside its target (see
+`mergeflow.io.paths`) so that rerunning the same command resumes it. `mergeflow staging list`
+shows them; `mergeflow staging clean` removes them, never while an export holds the lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from mergeflow.errors import ConcurrentExportError, UsageError
+from mergeflow.io.fs import TargetLock
+from mergeflow.io.paths import STAGING_MARKER, lock_path_for
+
+# Staging dirs live directly beside targets; `serve` puts targets at <root>/<run>/global_step_N,
+# so three levels below the scanned directory cover the usual layouts without a full walk.
+DEFAULT_SCAN_DEPTH = 3
+
+
+@dataclass(frozen=True)
+class StagingInfo:
+    """One kept staging directory and what a rerun of its export would find in it."""
+
+    path: str
+    target: str
+    size_bytes: int
+    age_seconds: float
+    resumable_shards: int
+    has_manifest: bool
+    locked: bool
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "path": self.path, "target": self.target, "size_bytes": self.size_bytes,
+            "age_seconds": round(self.age_seconds, 1), "resumable_shards": self.resumable_shards,
+            "has_manifest": self.has_manifest, "locked": self.locked,
+        }
+
+
+def is_staging_dir(path: Path) -> bool:
+    """True for a directory named like a mergeflow staging directory."""
+    return path.name.startswith(".") and STAGING_MARKER in path.name and path.is_dir() and not path.is_symlink()
+
+
+def target_of(staging: Path) -> Path:
+    """The target an export staged in `staging` would publish to."""
+    return staging.parent / staging.name[1:].split(STAGING_MARKER, 1)[0]
+
+
+def artifact_root(path: Path) -> Path:
+    """The artifact inside a staging directory, or `path` itself for anything else."""
+    return path / "artifact" if is_staging_dir(path) and (path / "artifact").is_dir() else path
+
+
+def find_staging(root: Path, *, depth: int = DEFAULT_SCAN_DEPTH) -> list[Path]:
+    """Staging directories at most `depth` levels below root (root itself counts as level 1)."""
+    root = Path(root).expanduser().absolute()
+    if not root.is_dir():
+        raise UsageError(f"{root} is not a directory")
+    if is_staging_dir(root):
+        return [root]
+    found: list[Path] = []
+    level = [root]
+    for _ in range(depth):
+        below: list[Path] = []
+        for folder in level:
+            try:
+                entries = sorted(os.scandir(folder), key=lambda e: e.name)
+            except OSError:
+                continue
+            for entry in entries:
+                if not entry.is_dir(follow_symlinks=False):
+                    continue
+                path = Path(entry.path)
+                if is_staging_dir(path):
+                    found.append(path)
+                elif not entry.name.startswith("."):  # hidden dirs (.git, caches) hold no targets
+                    below.append(path)
+        level = below
+    return sorted(found)
+
+
+def lock_is_held(lock: Path) -> bool:
+    """True when a running export holds the flock on `lock` (a killed one's is released)."""
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops a lock we may have taken
+    return False
+
+
+def _tree_size_and_mtime(path: Path) -> tuple[int, float]:
+    size, newest = 0, path.stat().st_mtime
+    for folder, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(folder, name))
+            except FileNotFoundError:
+                continue
+            size += st.st_size
+            newest = max(newest, st.st_mtime)
+    return size, newest
+
+
+def count_resumable_shards(staging: Path) -> int:
+    """Shard records whose staged file is still there with the recorded size (no hashing)."""
+    work, count = staging / "work", 0
+    for record in sorted(work.glob("shard-*.json")):
+        try:
+            data = json.loads(record.read_text())
+            name, size = data["file_name"], data["size"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if not isinstance(name, str) or "/" in name or name.startswith("."):
+            continue
+        matches = [p for p in (staging / "artifact").rglob(name) if p.is_file()]
+        if any(p.stat().st_size == size for p in matches):
+            count += 1
+    return count
+
+
+def describe_staging(staging: Path, *, now: float | None = None) -> StagingInfo:
+    """Size, age (since the last write), resumable shards and lock state of one staging dir."""
+    size, newest = _tree_size_and_mtime(staging)
+    target = target_of(staging)
+    return StagingInfo(
+        path=str(staging),
+        target=str(target),
+        size_bytes=size,
+        age_seconds=max(0.0, (time.time() if now is None else now) - newest),
+        resumable_shards=count_resumable_shards(staging),
+        has_manifest=any((staging / "artifact").rglob("merge_manifest.json")),
+        locked=lock_is_held(lock_path_for(target)),
+    )
+
+
+def list_staging(root: Path, *, depth: int = DEFAULT_SCAN_DEPTH) -> list[StagingInfo]:
+    """Describe every kept staging directory under root."""
+    return [describe_staging(p) for p in find_staging(root, depth=depth)]
+
+
+def remove_staging(staging: Path) -> None:
+    """Remove one staging directory while holding its target's lock; refuses a running export."""
+    if not is_staging_dir(staging):
+        raise UsageError(f"{staging} is not a mergeflow staging directory")
+    # Holding the lock while deleting keeps an export of the same target from starting
+    # (and resuming into this directory) half-way through the removal.
+    with TargetLock(lock_path_for(target_of(staging))):
+        shutil.rmtree(staging)
+
+
+def clean_staging(root: Path, *, older_than: float = 0.0, depth: int = DEFAULT_SCAN_DEPTH) -> dict[str, list[str]]:
+    """Remove kept staging dirs under root idle for more than `older_than` seconds.
+
+    Directories of a running export are left alone and reported under "refused".
+    """
+    removed: list[str] = []
+    refused: list[str] = []
+    kept: list[str] = []
+    for staging in find_staging(root, depth=depth):
+        if describe_staging(staging).age_seconds < older_than:
+            kept.append(str(staging))
+            continue
+        try:
+            remove_staging(staging)
+        except ConcurrentExportError:
+            refused.append(str(staging))
+            continue
+        removed.append(str(staging))
+    return {"removed": removed, "refused": refused, "kept": kept}
+
+
+STAGING_ID_FILE = "staging-id"
+
+
+def staging_id(staging: Path) -> str:
+    """A random id of this staging directory, created on first use (`work/staging-id`).
+
+    Cache keys of staged work include it: a staging directory that was removed (say by
+    `mergeflow staging clean`) and is created again gets a new id, so Prefect never
+    answers a rerun with records of files that no longer exist.
+    """
+    work = Path(staging) / "work"
+    path = work / STAGING_ID_FILE
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        pass
+    work.mkdir(parents=True, exist_ok=True)
+    tmp = work / f".{STAGING_ID_FILE}.{os.getpid()}.{uuid.uuid4().hex}"
+    tmp.write_text(uuid.uuid4().hex)
+    try:
+        os.link(tmp, path)  # atomic and never replaces: concurrent first users agree on one id
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink()
+    return path.read_text().strip()
+
+
+def file_stamp(path: Path) -> list[int] | None:
+    """[size, mtime_ns, inode] of a file, None when it does not exist."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
+def staged_file_state(final: Path, record: Path) -> str:
+    """'intact' while a staged file is absent with no record, or unchanged since its record was written.
+
+    Anything else (a file changed, deleted or written without a record) names what is there,
+    so a cache key built from it misses and the task redoes (or re-verifies) the file.
+    """
+    current = file_stamp(final)
+    try:
+        recorded = json.loads(record.read_text()).get("stamp")
+    except FileNotFoundError:
+        recorded = None
+    except (OSError, ValueError, AttributeError):
+        recorded = "unreadable"
+    if current == recorded:
+        return "intact"
+    return f"changed:{current}:{recorded}"

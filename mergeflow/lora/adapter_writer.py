@@ -1,0 +1,119 @@
+"""Writing `lora_adapter/`: the selected adapter's weights, its PEFT config and its own manifest."""
+
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from mergeflow.export.layout import TensorLayout, plan_layouts
+from mergeflow.export.publish import build_manifest
+from mergeflow.export.reconstruct import RankStates, output_dtype
+from mergeflow.export.shard_writer import HEADER_METADATA, write_shard_file
+from mergeflow.formats.manifest import MANIFEST_NAME, fingerprint
+from mergeflow.formats.safetensors_format import nbytes
+from mergeflow.io.fs import sha256_file
+from mergeflow.io.jsonfiles import write_bytes_durable, write_json_durable
+from mergeflow.lora.artifact import ADAPTER_DIR
+from mergeflow.lora.detect import adapter_weights_name
+from mergeflow.lora.export import (
+    adapter_config_json,
+    diffusers_lora_metadata,
+)
+from mergeflow.lora.plan import (
+    LoraPlan,
+)
+from mergeflow.records import (
+    FileRecord,
+    MergePlan,
+    RankIndex,
+    ShardPlan,
+    ShardRecord,
+    TensorWrite,
+)
+
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+
+
+
+def _layouts(indexes: list[RankIndex]) -> dict[str, TensorLayout]:
+    return plan_layouts([ix.entries for ix in sorted(indexes, key=lambda ix: ix.rank)])
+
+
+def adapter_dir(plan: MergePlan) -> Path:
+    """Where the exported adapter is staged: `<artifact>/lora_adapter/`."""
+    return Path(plan.output.artifact_dir) / ADAPTER_DIR
+
+
+@dataclass(frozen=True)
+class AdapterExport:
+    """A written, verified adapter directory: its files (relative to the artifact root) and manifest."""
+
+    files: tuple[FileRecord, ...]
+    manifest: dict[str, Any]
+    shard: ShardRecord
+
+
+def _adapter_shard(plan: MergePlan, lora: LoraPlan, indexes: list[RankIndex]) -> ShardPlan:
+    layouts = _layouts(indexes)
+    policy, keep = plan.options.dtype, plan.output.keep_fp32
+    writes = tuple(
+        TensorWrite(out, src, layouts[src], output_dtype(out, layouts[src].dtype, policy, keep))
+        for out, src in sorted(lora.adapter_keys.items())
+    )
+    metadata = dict(HEADER_METADATA)
+    if lora.adapter_format == "diffusers":
+        metadata = diffusers_lora_metadata(lora.adapter_config or {})
+    name = adapter_weights_name(lora.adapter_format)
+    body = [asdict(tw) for tw in writes]
+    return ShardPlan(
+        index=0,
+        file_name=name,
+        tensors=writes,
+        nbytes=sum(nbytes(t.out_dtype, t.layout.shape) for t in writes),
+        fingerprint=fingerprint([plan.fingerprint, ADAPTER_DIR, name, body, metadata, "adapter-v1"]),
+        metadata=metadata,
+    )
+
+
+def _adapter_manifest(plan: MergePlan, lora: LoraPlan, rank_digests: dict[str, str], shard: ShardRecord,
+                      files: list[FileRecord]) -> dict[str, Any]:
+    spec = plan.lora
+    # The adapter directory is an artifact of its own: tensors at its root, its own file list.
+    own = replace(plan, output=replace(plan.output, artifact_type="peft_adapter", tensor_directory="."))
+    manifest = build_manifest(own, rank_digests, [shard], files, {"removed_keys": {}})
+    manifest["lora_adapter"] = {
+        "adapter_name": lora.adapter_name,
+        "format": lora.adapter_format,
+        "base_model_name_or_path": spec.base_model_name_or_path,
+        "layout": lora.layout,
+        "r": lora.r,
+        "lora_alpha": lora.lora_alpha,
+        "target_modules": sorted((lora.adapter_config or {}).get("target_modules") or []),
+        "excluded_adapters": list(lora.excluded_adapters),
+        "settings_source": lora.settings_origin,
+    }
+    return manifest
+
+
+def write_adapter(plan: MergePlan, lora: LoraPlan, indexes: list[RankIndex], rank_digests: dict[str, str]) -> AdapterExport:
+    """Write `lora_adapter/`: weights (streamed, round-trip verified), adapter_config.json, its manifest."""
+    out_dir = adapter_dir(plan)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(plan.output.work_dir) / ADAPTER_DIR
+    work.mkdir(parents=True, exist_ok=True)
+    states = RankStates(Path(plan.checkpoint.actor_dir), plan.checkpoint.rank_files, trust_checkpoint=plan.options.trust_checkpoint)
+    shard = _adapter_shard(plan, lora, indexes)
+    record = write_shard_file(shard, states, out_dir, work)
+    files: list[FileRecord] = []
+    if lora.adapter_format == "peft":
+        raw = (adapter_config_json(lora.adapter_config or {}) + "\n").encode("utf-8")
+        write_bytes_durable(out_dir / ADAPTER_CONFIG_FILE, raw)
+        files.append(FileRecord(ADAPTER_CONFIG_FILE, sha256_file(out_dir / ADAPTER_CONFIG_FILE), len(raw), "written"))
+    manifest = _adapter_manifest(plan, lora, rank_digests, record, files)
+    data = write_json_durable(out_dir / MANIFEST_NAME, manifest, indent=2)
+    listed = [(record.file_name, record.sha256, record.size)] + [(f.rel_path, f.sha256, f.size) for f in files]
+    listed.append((MANIFEST_NAME, sha256_file(out_dir / MANIFEST_NAME), len(data)))
+    rooted = tuple(FileRecord(f"{ADAPTER_DIR}/{name}", digest, size, "written") for name, digest, size in listed)
+    return AdapterExport(files=rooted, manifest=manifest, shard=record)

@@ -1,0 +1,149 @@
+"""The LoRA side of an export: validate every adapter (-> LoraPlan) and plan the model's tensors."""
+
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mergeflow.errors import BaseModelError, LoraError
+from mergeflow.export.layout import TensorLayout, plan_layouts
+from mergeflow.export.reconstruct import check_coverage, output_dtype
+from mergeflow.formats.weight_index import read_weight_headers
+from mergeflow.lora.config import peft_adapter_config
+from mergeflow.lora.export import (
+    diffusers_lora_keys,
+    peft_adapter_keys,
+)
+from mergeflow.lora.fuse import (
+    BASE_COPY,
+    LORA_FUSE,
+    base_model_source,
+    checkpoint_source,
+)
+from mergeflow.lora.keys import (
+    base_state_keys,
+    group_adapters,
+    saved_module_overrides,
+    saved_modules,
+    target_modules,
+)
+from mergeflow.lora.plan import (
+    FULL_STATE,
+    LoraPlan,
+    default_scaling,
+    validate_all_adapters,
+)
+from mergeflow.records import (
+    MergePlan,
+    RankIndex,
+    TensorWrite,
+)
+
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+
+
+
+def _layouts(indexes: list[RankIndex]) -> dict[str, TensorLayout]:
+    return plan_layouts([ix.entries for ix in sorted(indexes, key=lambda ix: ix.rank)])
+
+
+def plan_lora_export(plan: MergePlan, indexes: list[RankIndex]) -> LoraPlan:
+    """Validate every adapter of the checkpoint against the model and fix what is fused or exported."""
+    if plan.lora is None:
+        raise LoraError("plan_lora called for a checkpoint without LoRA")
+    spec = plan.lora
+    layouts = _layouts(indexes)
+    keys = list(layouts)
+    shapes = {key: layout.shape for key, layout in layouts.items()}
+    grouped = group_adapters(keys)
+    settings = spec.settings
+    chosen = validate_all_adapters(
+        grouped, shapes, plan.output.expected_shapes, settings,
+        selected=spec.adapter_name, fuse=spec.fuse, layout=spec.layout,
+    )
+    selected = grouped[spec.adapter_name]
+    saved = saved_modules(keys).get(spec.adapter_name, {})
+    adapter_keys: dict[str, str] = {}
+    config: dict[str, Any] | None = None
+    if not spec.fuse:
+        config = peft_adapter_config(settings, target_modules(selected), spec.base_model_name_or_path, saved or None)
+        if spec.adapter_format == "diffusers":
+            if saved:
+                raise LoraError(f"adapter {spec.adapter_name!r} has modules_to_save ({', '.join(sorted(saved))}), "
+                                "which Diffusers' LoRA format cannot carry; export it in PEFT format")
+            adapter_keys = diffusers_lora_keys(selected)
+        else:
+            adapter_keys = peft_adapter_keys(selected, saved)
+    overrides = saved_module_overrides(keys, spec.adapter_name) if spec.fuse and spec.layout == FULL_STATE else {}
+    return LoraPlan(
+        adapter_name=spec.adapter_name,
+        excluded_adapters=tuple(sorted(set(grouped) - {spec.adapter_name})),
+        layout=spec.layout,
+        fuse=spec.fuse,
+        adapter_format=spec.adapter_format,
+        base_weights=spec.base_weights,
+        r=settings.r,
+        lora_alpha=settings.lora_alpha,
+        scaling=default_scaling(settings),
+        settings_origin=spec.settings_origin,
+        modules=tuple(chosen),
+        saved_overrides=overrides,
+        adapter_keys=adapter_keys,
+        adapter_config=config,
+    )
+
+
+def _fusion_transforms(lora: LoraPlan, source: Any) -> dict[str, dict[str, Any]]:
+    """Output tensor name -> lora_fuse transform, for the fused weight (and bias) of every module."""
+    transforms: dict[str, dict[str, Any]] = {}
+    for module in lora.modules:
+        parts = {kind: source(key) for kind, key in module.sources.items()}
+        common = {"op": LORA_FUSE, "module": module.module, "scaling": module.scaling, "rank": module.rank}
+        transforms[f"{module.module}.weight"] = {
+            **common, "param": "weight", "lora_A": parts["lora_A"], "lora_B": parts["lora_B"],
+            "lora_magnitude_vector": parts.get("lora_magnitude_vector"), "lora_B_bias": None,
+        }
+        if "lora_B_bias" in parts:
+            transforms[f"{module.module}.bias"] = {
+                **common, "param": "bias", "lora_A": None, "lora_B": None,
+                "lora_magnitude_vector": None, "lora_B_bias": parts["lora_B_bias"],
+            }
+    return transforms
+
+
+def lora_tensor_writes(plan: MergePlan, lora: LoraPlan, indexes: list[RankIndex]) -> list[TensorWrite]:
+    """The model's tensors: frozen weights with adapters stripped, fused where --fuse-lora asks."""
+    spec = plan.lora
+    layouts = _layouts(indexes)
+    policy, keep = plan.options.dtype, plan.output.keep_fp32
+
+    def checkpoint(key: str) -> dict[str, Any]:
+        return checkpoint_source(layouts[key])
+
+    transforms = _fusion_transforms(lora, checkpoint) if lora.fuse else {}
+    writes = []
+    if lora.layout == FULL_STATE:
+        mapping = base_state_keys(layouts)
+        mapping.update(lora.saved_overrides)  # modules_to_save copies replace their modules when fusing
+        check_coverage(plan.output.expected_shapes, {name: layouts[src].shape for name, src in mapping.items()})
+        for name, src in sorted(mapping.items()):
+            layout = layouts[src]
+            out = output_dtype(name, layout.dtype, policy, keep)
+            transform = transforms.get(name)
+            if transform is not None:
+                transform = {**transform, "base": checkpoint_source(layout)}
+            writes.append(TensorWrite(name, src, layout, out, transform))
+        return writes
+    # LoRA-only fusion: every frozen weight comes from the local base's safetensors files.
+    component = Path(plan.base.component_dir)
+    headers = read_weight_headers(component, plan.output.weights_name, BaseModelError, "the base")
+    unknown = sorted(set(transforms) - set(headers))
+    if unknown:  # never a silent copy of an unfused weight
+        raise LoraError(f"the base model has no tensor {unknown[0]} to fuse the adapter into")
+    for name, (dtype, shape) in sorted(headers.items()):
+        layout = TensorLayout(f"base_model:{name}", dtype, tuple(shape), None, (), (tuple(shape),))
+        base = base_model_source(component / spec.base_weight_map[name], name)
+        transform = {**transforms[name], "base": base} if name in transforms else {"op": BASE_COPY, "base": base}
+        writes.append(TensorWrite(name, name, layout, output_dtype(name, dtype, policy, keep), transform))
+    return writes
