@@ -84,14 +84,14 @@ def build_inputs(inputs: Path) -> list[Case]:
 
     import copy
 
-    from peft import LoraConfig
-
     from builders import make_export
     from fixtures.minimax_h3 import build_minimax_h3_native
     from fixtures.pipelines_image import build_qwenimage_pipeline, build_sd3_pipeline
     from lora_builders import ATTN_TARGETS, build_lora_checkpoint
-    from mergeflow.demo.checkpoints import build_transformer
+    from peft import LoraConfig
     from pipeline_builders import make_actor
+
+    from mergeflow.demo.checkpoints import build_transformer
 
     common = ["--backend", "fsdp"]
     cases: list[Case] = []

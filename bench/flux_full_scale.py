@@ -39,7 +39,14 @@ from typing import Any
 import torch
 
 # A sibling module: found when this file runs as a script, and by importers that put bench/ on sys.path.
-from fsdp_stream import POOL_ELEMENTS, RankSlice, TensorSpec, WeightSource, rank_slice, write_rank_files
+from fsdp_stream import (
+    POOL_ELEMENTS,
+    RankSlice,
+    TensorSpec,
+    WeightSource,
+    rank_slice,
+    write_rank_files,
+)
 from measure import status_kb
 
 __all__ = ["FLUX_DEV_CONFIG", "Generated", "RankSlice", "TensorSpec", "WeightSource", "generate",

@@ -166,7 +166,12 @@ def write_rank_file(path: Path, template: OrderedDict[str, Any], specs: list[Ten
     initialised (fake) process group in which this process is `rank` of `world_size`."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
-    from torch.serialization import DEFAULT_PROTOCOL, _get_storage_alignment, _save, get_crc32_options
+    from torch.serialization import (
+        DEFAULT_PROTOCOL,
+        _get_storage_alignment,
+        _save,
+        get_crc32_options,
+    )
 
     # DTensor's sharding-propagation cache outlives process groups, and DeviceMesh equality
     # ignores the rank: without clearing it, rank R's detached specs would be rank 0's cached
@@ -218,7 +223,9 @@ def write_rank_files(actor_dir: Path, template: OrderedDict[str, Any], specs: li
                      progress: Callable[[int, Path, float], None] | None = None) -> list[Path]:
     """Every rank's model file, each under its own fake process group (as training has one)."""
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
+    from torch.testing._internal.distributed.fake_pg import (
+        FakeStore,  # registers "fake"
+    )
 
     if dist.is_initialized():
         raise RuntimeError("a process group is already initialised; the generator needs its own fake one")

@@ -35,6 +35,7 @@ from measure import floor_seconds, settle, status_kb  # noqa: E402
 from server import prefect_api  # noqa: E402
 from timeline import Span, flow_timeline, summarise  # noqa: E402
 
+
 @dataclass
 class Run:
     floor_s: float

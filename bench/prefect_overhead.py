@@ -32,14 +32,14 @@ os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
 
 def merge_direct(config: Any) -> dict[str, str]:
     """The merge flow's steps for a plain (non-LoRA) export, called directly: no Prefect at all."""
+    from mergeflow.export.plan import build_plan
+    from mergeflow.export.publish import finalize_staging, publish_staged
+    from mergeflow.export.rank_index import hash_rank_file, index_rank_file
+    from mergeflow.export.reconstruct import RankStates, plan_tensor_writes
+    from mergeflow.export.shard_writer import pack_shards, write_shard_file
+    from mergeflow.export.staged_check import validate_staged
     from mergeflow.io.fs import TargetLock
     from mergeflow.io.paths import check_target
-    from mergeflow.export.plan import build_plan
-    from mergeflow.export.rank_index import hash_rank_file, index_rank_file
-    from mergeflow.export.publish import finalize_staging, publish_staged
-    from mergeflow.export.reconstruct import RankStates, plan_tensor_writes
-    from mergeflow.export.staged_check import validate_staged
-    from mergeflow.export.shard_writer import pack_shards, write_shard_file
 
     plan = build_plan(config)
     trust = plan.options.trust_checkpoint
@@ -67,16 +67,19 @@ def merge_direct(config: Any) -> dict[str, str]:
 @contextlib.contextmanager
 def prefect_api(workdir: Path) -> Iterator[str]:
     """PREFECT_API_URL if set; otherwise a throw-away `prefect server start` (the tests' helper)."""
-    from prefect.settings import PREFECT_API_URL, PREFECT_TASKS_REFRESH_CACHE, temporary_settings
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_TASKS_REFRESH_CACHE,
+        temporary_settings,
+    )
 
     if os.environ.get("PREFECT_API_URL"):
         with temporary_settings(updates={PREFECT_TASKS_REFRESH_CACHE: True}):
             yield os.environ["PREFECT_API_URL"]
         return
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from prefect_server import start_prefect_server
-
     from prefect.logging.handlers import APILogWorker
+    from prefect_server import start_prefect_server
 
     with start_prefect_server(workdir) as server:
         with temporary_settings(updates={PREFECT_API_URL: server.api_url, PREFECT_TASKS_REFRESH_CACHE: True}):
@@ -96,9 +99,9 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
+    from mergeflow.flows.api import merge_model
 
     from mergeflow.config import ModelMergerConfig
-    from mergeflow.flows.api import merge_model
     from mergeflow.demo.checkpoints import build_sized_checkpoint
 
     workdir = Path(tempfile.mkdtemp(prefix="mergeflow-overhead-"))

@@ -24,7 +24,12 @@ class Span:
 def flow_timeline(flow_run_name: str | None = None) -> tuple[Any, list[Span]]:
     """(flow run, task spans relative to the flow run's start) of the named or latest flow run."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, TaskRunFilter, TaskRunFilterFlowRunId
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterName,
+        TaskRunFilter,
+        TaskRunFilterFlowRunId,
+    )
     from prefect.client.schemas.sorting import FlowRunSort, TaskRunSort
 
     with get_client(sync_client=True) as client:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
 from uuid import UUID
 
 from prefect.artifacts import (
@@ -12,6 +11,7 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
+from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.records import MergePlan
 
 
@@ -34,7 +34,7 @@ def report_progress(artifact_id: UUID | None, done: int, total: int) -> None:
         update_progress_artifact(artifact_id=artifact_id, progress=100.0 * done / max(total, 1))
 
 
-def publish_manifest_artifacts(plan: MergePlan, manifest: dict[str, Any], output_dir: str) -> None:
+def publish_manifest_artifacts(plan: MergePlan, manifest: JsonObject, output_dir: str) -> None:
     """The manifest as a table (one row per file) and a markdown summary of the export."""
     name = plan.output.target.rsplit("/", 1)[-1]
     rows = [{"file": rel, "sha256": digest} for rel, digest in manifest["files"].items()]

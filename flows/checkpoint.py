@@ -11,10 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from mergeflow.flows.merge import merge_flow
+from mergeflow.flows.runners import make_task_runner
 from prefect import flow
 from prefect.runtime import flow_run
 
-from mergeflow.formats.verl_checkpoint import step_of
 from mergeflow.config import (
     DEFAULT_DTYPE,
     DEFAULT_MAX_SHARD_SIZE,
@@ -24,13 +25,13 @@ from mergeflow.config import (
     ModelMergerConfig,
 )
 from mergeflow.errors import UsageError
-from mergeflow.flows.merge import merge_flow
-from mergeflow.flows.runners import make_task_runner
+from mergeflow.formats.verl_checkpoint import step_of
+from mergeflow.io.jsonfiles import JsonObject
 
 FORMAT_FIELDS = ("run_name", "step")
 
 
-def _step_of(checkpoint: dict[str, Any], actor_dir: Path) -> int | None:
+def _step_of(checkpoint: JsonObject, actor_dir: Path) -> int | None:
     step = checkpoint.get("step")
     if step is None:
         return step_of(actor_dir.parent.name)
@@ -71,7 +72,7 @@ def default_target(target_root: str, run_name: str, step: int | None, actor_dir:
 
 
 def resolve_checkpoint_config(
-    checkpoint: dict[str, Any],
+    checkpoint: JsonObject,
     *,
     base_model: str | None = None,
     target_root: str | None = None,
@@ -124,7 +125,7 @@ def checkpoint_run_name() -> str:
 
 @flow(name="mergeflow-merge-checkpoint", flow_run_name=checkpoint_run_name, validate_parameters=True)
 def merge_checkpoint_flow(
-    checkpoint: dict[str, Any],
+    checkpoint: JsonObject,
     base_model: str | None = None,
     target_root: str | None = None,
     output_format: str = DEFAULT_OUTPUT_FORMAT,
@@ -135,7 +136,7 @@ def merge_checkpoint_flow(
     workers: int = DEFAULT_WORKERS,
     task_runner: str = DEFAULT_TASK_RUNNER,
     dask_address: str | None = None,
-) -> dict[str, Any]:
+) -> JsonObject:
     """Export the checkpoint an event names (payload keys override these defaults)."""
     config = resolve_checkpoint_config(
         checkpoint, base_model=base_model, target_root=target_root, output_format=output_format, dtype=dtype,

@@ -11,6 +11,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from mergeflow.flows.ops_cli import (
+    OPS_COMMANDS,
+    add_ops_commands,
+    add_task_runner_flags,
+)
+
 from mergeflow.config import (
     ADAPTER_FORMATS,
     DEFAULT_DTYPE,
@@ -23,7 +29,7 @@ from mergeflow.config import (
     ModelMergerConfig,
 )
 from mergeflow.errors import MergeflowError
-from mergeflow.flows.ops_cli import OPS_COMMANDS, add_ops_commands, add_task_runner_flags
+from mergeflow.io.jsonfiles import JsonObject
 
 
 def _flag(parser: argparse.ArgumentParser, *names: str, **kwargs: Any) -> None:
@@ -134,9 +140,9 @@ def _running_flows() -> Iterator[None]:
         yield
 
 
-def cmd_merge(args: argparse.Namespace) -> dict[str, Any]:
-    from mergeflow.io.prefetch import DigestPrefetch
+def cmd_merge(args: argparse.Namespace) -> JsonObject:
     from mergeflow.export.preflight import preflight_merge
+    from mergeflow.io.prefetch import DigestPrefetch
 
     config = _config_from(args, "merge")
     rank_files = preflight_merge(config)  # refusals that need no tensor data answer before any server or Prefect import
@@ -148,13 +154,13 @@ def cmd_merge(args: argparse.Namespace) -> dict[str, Any]:
 
         with stderr_progress():
             result = merge_model(config, task_runner=args.task_runner, dask_address=args.dask_address)
-    out: dict[str, Any] = {"output_dir": result.output_dir, "manifest_path": result.manifest_path}
+    out: JsonObject = {"output_dir": result.output_dir, "manifest_path": result.manifest_path}
     if result.upload is not None:
         out["upload"] = result.upload
     return out
 
 
-def cmd_test(args: argparse.Namespace) -> dict[str, Any]:
+def cmd_test(args: argparse.Namespace) -> JsonObject:
     # In-process, without Prefect or torch: starting Prefect (let alone a temporary server) would
     # cost many times the checks. The validate flow (UI reruns, the API) runs this same function.
     from mergeflow.export.artifact_check import check_artifact
@@ -162,7 +168,7 @@ def cmd_test(args: argparse.Namespace) -> dict[str, Any]:
     return check_artifact(args.test_hf_dir)
 
 
-def cmd_inspect(args: argparse.Namespace) -> dict[str, Any]:
+def cmd_inspect(args: argparse.Namespace) -> JsonObject:
     from pathlib import Path
 
     from mergeflow.export.describe import describe_checkpoint
@@ -170,28 +176,28 @@ def cmd_inspect(args: argparse.Namespace) -> dict[str, Any]:
     return describe_checkpoint(Path(args.local_dir), trust_checkpoint=args.trust_checkpoint)
 
 
-def cmd_upload(args: argparse.Namespace) -> dict[str, Any]:
+def cmd_upload(args: argparse.Namespace) -> JsonObject:
     with _running_flows():
         from mergeflow.flows.upload import upload_flow
 
         return upload_flow(test_hf_dir=args.test_hf_dir, hf_upload_path=args.hf_upload_path, private=args.private)
 
 
-def cmd_verify_upload(args: argparse.Namespace) -> dict[str, Any]:
+def cmd_verify_upload(args: argparse.Namespace) -> JsonObject:
     with _running_flows():
         from mergeflow.flows.upload import verify_upload_flow
 
         return verify_upload_flow(test_hf_dir=args.test_hf_dir, hf_upload_path=args.hf_upload_path, revision=args.revision)
 
 
-def cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
+def cmd_demo(args: argparse.Namespace) -> JsonObject:
     with _running_flows():
         from mergeflow.flows.demo import run_demo
 
         return run_demo(args.workdir)
 
 
-def cmd_server(args: argparse.Namespace) -> dict[str, Any]:
+def cmd_server(args: argparse.Namespace) -> JsonObject:
     from mergeflow.flows import local_server
 
     if args.action == "start":  # explicit: started even where commands would use another API
@@ -202,7 +208,7 @@ def cmd_server(args: argparse.Namespace) -> dict[str, Any]:
     return local_server.server_status()
 
 
-COMMANDS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+COMMANDS: dict[str, Callable[[argparse.Namespace], JsonObject]] = {
     "merge": cmd_merge,
     "test": cmd_test,
     "inspect": cmd_inspect,

@@ -5,13 +5,14 @@ from __future__ import annotations
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
-from mergeflow.config import ModelMergerConfig
 from mergeflow.flows.api import merge_model, validate_artifact
 
+from mergeflow.config import ModelMergerConfig
+from mergeflow.io.jsonfiles import JsonObject
 
-def run_demo(workdir: str | None = None, *, class_name: str = "FluxTransformer2DModel", world_size: int = 4) -> dict[str, Any]:
+
+def run_demo(workdir: str | None = None, *, class_name: str = "FluxTransformer2DModel", world_size: int = 4) -> JsonObject:
     """Build a W=4 FSDP2 checkpoint of a tiny transformer, export it, validate the result."""
     from mergeflow.demo.checkpoints import build_demo_checkpoint
 

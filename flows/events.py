@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any
 
 from mergeflow.errors import EventError
 from mergeflow.events import EVENT_CHECKPOINT_SAVED, build_checkpoint_event
+from mergeflow.io.jsonfiles import JsonObject
 
 DEFAULT_DELIVERY_TIMEOUT = 30.0
 # Prefect's queue services swallow delivery errors and report them only as ERROR records
@@ -88,7 +88,7 @@ def checkpoint_saved(
     run_name: str | None = None,
     base_model: str | None = None,
     target_dir: str | None = None,
-    extra: dict[str, Any] | None = None,
+    extra: JsonObject | None = None,
     timeout: float = DEFAULT_DELIVERY_TIMEOUT,
 ) -> str:
     """Emit `mergeflow.checkpoint.saved` for a saved actor dir, wait until sent, return the event id."""

@@ -21,15 +21,17 @@ import socket
 import subprocess
 import sys
 import time
-import tomllib
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
+
+import tomllib
 
 from mergeflow.errors import MergeflowError
+from mergeflow.io.jsonfiles import JsonObject
 
 STATE_FILE = "mergeflow-server.json"
 LOG_FILE = "mergeflow-server.log"
@@ -295,12 +297,12 @@ def _stop_group(pid: int, wait_s: float = 10.0) -> None:
             time.sleep(0.1)
 
 
-def server_status(home: Path | None = None) -> dict[str, Any]:
+def server_status(home: Path | None = None) -> JsonObject:
     """What `mergeflow server status` prints."""
     home = home or prefect_home()
     state = read_state(home)
     running = state is not None and _is_our_server(state) and healthy(state.api_url)
-    out: dict[str, Any] = {"running": running, "state_file": str(home / STATE_FILE)}
+    out: JsonObject = {"running": running, "state_file": str(home / STATE_FILE)}
     if state is not None:
         out.update(url=state.ui_url, api_url=state.api_url, pid=state.pid, port=state.port, log=state.log_path)
     if configured_api_url():
@@ -308,7 +310,7 @@ def server_status(home: Path | None = None) -> dict[str, Any]:
     return out
 
 
-def stop_local_server(home: Path | None = None) -> dict[str, Any]:
+def stop_local_server(home: Path | None = None) -> JsonObject:
     """Stop the background server if one is recorded; safe to call again."""
     home = home or prefect_home()
     with _server_lock(home):

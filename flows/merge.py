@@ -5,6 +5,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from mergeflow.flows.artifacts import (
+    publish_manifest_artifacts,
+    report_progress,
+    start_progress,
+)
+from mergeflow.tasks.copy_components import copy_components
+from mergeflow.tasks.inspect_inputs import inspect_inputs
+from mergeflow.tasks.load import hash_rank, load_rank_shards
+from mergeflow.tasks.lora import plan_lora, plan_lora_writes, write_lora_adapter
+from mergeflow.tasks.publish import publish, write_metadata
+from mergeflow.tasks.reconstruct import plan_reconstruction
+from mergeflow.tasks.upload import upload_to_hub
+from mergeflow.tasks.validate import validate_staged_task
+from mergeflow.tasks.write import write_shard
 from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 from prefect.futures import PrefectFuture, as_completed
@@ -14,23 +28,14 @@ from prefect.utilities.annotations import opaque
 from mergeflow.architectures.conversions import convert_writes
 from mergeflow.config import ModelMergerConfig
 from mergeflow.errors import MergeflowError, UploadError
+from mergeflow.export.reconstruct import RankStates
+from mergeflow.export.shard_writer import pack_shards
 from mergeflow.io.fs import TargetLock
-from mergeflow.lora.artifact import ADAPTER_DIR
+from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.io.paths import check_target
 from mergeflow.io.prefetch import DigestPrefetch
+from mergeflow.lora.artifact import ADAPTER_DIR
 from mergeflow.records import MergePlan, ShardRecord
-from mergeflow.tasks.copy_components import copy_components
-from mergeflow.tasks.inspect_inputs import inspect_inputs
-from mergeflow.tasks.load import hash_rank, load_rank_shards
-from mergeflow.tasks.lora import plan_lora, plan_lora_writes, write_lora_adapter
-from mergeflow.tasks.publish import publish, write_metadata
-from mergeflow.export.reconstruct import RankStates
-from mergeflow.tasks.reconstruct import plan_reconstruction
-from mergeflow.tasks.upload import upload_to_hub
-from mergeflow.tasks.validate import validate_staged_task
-from mergeflow.export.shard_writer import pack_shards
-from mergeflow.tasks.write import write_shard
-from mergeflow.flows.artifacts import publish_manifest_artifacts, report_progress, start_progress
 
 
 def merge_run_name() -> str:
@@ -65,7 +70,7 @@ def rank_digests(plan: MergePlan, futures: list[PrefectFuture[str]]) -> dict[str
     return {plan.checkpoint.rank_files[rank]: future.result() for rank, future in enumerate(futures)}
 
 
-def run_export(plan: MergePlan) -> tuple[dict[str, str], dict[str, Any]]:
+def run_export(plan: MergePlan) -> tuple[dict[str, str], JsonObject]:
     """The steps after inspection, run while the target lock is held."""
     logger = get_run_logger()
     check_target(Path(plan.output.target))  # re-checked under the lock: another export may have finished
@@ -112,7 +117,7 @@ def run_export(plan: MergePlan) -> tuple[dict[str, str], dict[str, Any]]:
 
 
 @flow(name="mergeflow-merge", flow_run_name=merge_run_name, persist_result=True, validate_parameters=True)
-def merge_flow(config: ModelMergerConfig) -> dict[str, Any]:
+def merge_flow(config: ModelMergerConfig) -> JsonObject:
     """Export an FSDP checkpoint as a verified, atomically published artifact."""
     try:
         plan = inspect_inputs(config)
@@ -135,7 +140,7 @@ def merge_flow(config: ModelMergerConfig) -> dict[str, Any]:
     return result
 
 
-def upload_published(output_dir: str, repo_id: str, private: bool) -> dict[str, Any]:
+def upload_published(output_dir: str, repo_id: str, private: bool) -> JsonObject:
     """Upload after local publication; a failure is reported, never undoes the local artifact."""
     try:
         return {"status": "uploaded", **upload_to_hub(output_dir, repo_id, private)}

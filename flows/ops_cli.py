@@ -8,7 +8,6 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 from mergeflow.config import (
     DEFAULT_DTYPE,
@@ -21,6 +20,7 @@ from mergeflow.config import (
     TASK_RUNNERS,
 )
 from mergeflow.errors import ConcurrentExportError
+from mergeflow.io.jsonfiles import JsonObject
 
 
 def add_task_runner_flags(parser: argparse.ArgumentParser) -> None:
@@ -81,8 +81,13 @@ def _stop_on_signals() -> Iterator[threading.Event]:
             signal.signal(sig, old)
 
 
-def cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
-    from mergeflow.flows.serve import MERGE_DEPLOYMENT, VALIDATE_DEPLOYMENT, ServeSettings, serve_deployments
+def cmd_serve(args: argparse.Namespace) -> JsonObject:
+    from mergeflow.flows.serve import (
+        MERGE_DEPLOYMENT,
+        VALIDATE_DEPLOYMENT,
+        ServeSettings,
+        serve_deployments,
+    )
 
     settings = ServeSettings(
         base_model=args.base_model, target_root=args.target_root, output_format=args.output_format, dtype=args.dtype,
@@ -97,7 +102,7 @@ def cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
             "stopped": True}
 
 
-def cmd_watch(args: argparse.Namespace) -> dict[str, Any]:
+def cmd_watch(args: argparse.Namespace) -> JsonObject:
     from mergeflow.flows.watch import watch
 
     template = None
@@ -113,7 +118,7 @@ def cmd_watch(args: argparse.Namespace) -> dict[str, Any]:
     return {"emitted": [{"step": c.step, "local_dir": str(c.actor_dir)} for c in emitted]}
 
 
-def cmd_staging(args: argparse.Namespace) -> dict[str, Any]:
+def cmd_staging(args: argparse.Namespace) -> JsonObject:
     from mergeflow.io.staging import clean_staging, list_staging
 
     root = Path(args.dir)
@@ -128,7 +133,7 @@ def cmd_staging(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-OPS_COMMANDS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+OPS_COMMANDS: dict[str, Callable[[argparse.Namespace], JsonObject]] = {
     "serve": cmd_serve,
     "watch": cmd_watch,
     "staging": cmd_staging,

@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from mergeflow.export.shard_writer import PROGRESS_HOOKS
+from mergeflow.export.progress import WRITE_PROGRESS
 
 
 class StderrProgress:
@@ -47,11 +47,10 @@ class StderrProgress:
 @contextmanager
 def stderr_progress() -> Iterator[StderrProgress]:
     bar = StderrProgress()
-    PROGRESS_HOOKS.append(bar)
     try:
-        yield bar
+        with WRITE_PROGRESS.listening(bar):
+            yield bar
     finally:
-        PROGRESS_HOOKS.remove(bar)
         bar.finish()
 
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
+from mergeflow.flows.checkpoint import format_with_checkpoint, merge_checkpoint_flow
+from mergeflow.flows.events import reachable_api_url
+from mergeflow.flows.validate import validate_flow
 from prefect.deployments.runner import EntrypointType, RunnerDeployment
 from prefect.events import DeploymentEventTrigger
 
@@ -27,9 +29,7 @@ from mergeflow.config import (
 )
 from mergeflow.errors import UsageError
 from mergeflow.events import EVENT_CHECKPOINT_SAVED, RESOURCE_PREFIX
-from mergeflow.flows.events import reachable_api_url
-from mergeflow.flows.checkpoint import format_with_checkpoint, merge_checkpoint_flow
-from mergeflow.flows.validate import validate_flow
+from mergeflow.io.jsonfiles import JsonObject
 
 MERGE_DEPLOYMENT = "on-checkpoint"
 VALIDATE_DEPLOYMENT = "validate"
@@ -73,7 +73,7 @@ class ServeSettings:
         format_with_checkpoint(self.hf_upload_path, "run", 0, "--hf_upload_path")
         return ServeSettings(**{**asdict(self), "base_model": str(base), "target_root": str(root)})
 
-    def parameters(self) -> dict[str, Any]:
+    def parameters(self) -> JsonObject:
         """The merge deployment's default parameters (the trigger adds `checkpoint`)."""
         return asdict(self)
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
+from mergeflow.tasks.validate import validate_artifact_task
 from prefect import flow
 from prefect.runtime import flow_run
 
 from mergeflow.export.artifact_check import artifact_to_check
-from mergeflow.tasks.validate import validate_artifact_task
+from mergeflow.io.jsonfiles import JsonObject
 
 
 def validate_run_name() -> str:
@@ -18,7 +18,7 @@ def validate_run_name() -> str:
 
 
 @flow(name="mergeflow-validate", flow_run_name=validate_run_name)
-def validate_flow(test_hf_dir: str) -> dict[str, Any]:
+def validate_flow(test_hf_dir: str) -> JsonObject:
     """Validate an artifact (or a failed merge's staging dir) without its source: manifest, tree, hashes, weights."""
     # The same checks `mergeflow test` runs in-process; a failed merge's kept staging dir
     # validates as the artifact staged inside it.

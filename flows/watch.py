@@ -21,10 +21,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from mergeflow.formats.verl_checkpoint import FSDP_CONFIG, RANK_FILE_RE, step_of
-from mergeflow.errors import CheckpointError, UsageError
-from mergeflow.io.jsonfiles import read_json_strict
 from mergeflow.flows.watch_state import STATE_FILE_NAME, WatchState
+
+from mergeflow.errors import CheckpointError, UsageError
+from mergeflow.formats.verl_checkpoint import (
+    FSDP_CONFIG,
+    RANK_FILE_RE,
+    read_fsdp_config,
+    step_of,
+)
+from mergeflow.io.jsonfiles import read_json_strict
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 # Bursts of write notifications (a rank file streaming to disk) collapse into one scan.
@@ -80,17 +86,12 @@ def _fingerprint(actor_dir: Path) -> str:
 
 def _declared_world_size(actor_dir: Path) -> int | str:
     """world_size from fsdp_config.json, or the reason it cannot be read (yet)."""
-    path = actor_dir / FSDP_CONFIG
-    if not path.is_file():
+    if not (actor_dir / FSDP_CONFIG).is_file():
         return "fsdp_config.json is not written yet"
-    try:  # the exporter's own strict reader; a half-written file only means "not yet" here
-        config = read_json_strict(path, CheckpointError, FSDP_CONFIG)
-    except CheckpointError:
-        return "fsdp_config.json is not valid JSON (yet)"
-    world_size = config.get("world_size") if isinstance(config, dict) else None
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        return "fsdp_config.json has no positive integer world_size"
-    return world_size
+    try:  # the exporter's own reader: what it refuses would fail the merge; a half-written file only means "not yet"
+        return read_fsdp_config(actor_dir).world_size
+    except CheckpointError as exc:
+        return f"{exc} (not usable yet)"
 
 
 def inspect_checkpoint(actor_dir: str | os.PathLike[str]) -> CheckpointSnapshot:
@@ -125,11 +126,12 @@ def _inspect_file_set(actor_dir: Path, fingerprint: str) -> CheckpointSnapshot:
         return not_ready(f"{len(missing)} of {world_size} model rank files are not written yet")
     if any((actor_dir / name).stat().st_size == 0 for name in expected):
         return not_ready("a model rank file is still empty")
-    try:
-        json.loads((actor_dir / "huggingface" / "config.json").read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    hf_config = actor_dir / "huggingface" / "config.json"
+    if not hf_config.is_file():
         return not_ready("huggingface/config.json is not written yet")
-    except (OSError, ValueError):
+    try:  # as strict as the merge's own read of it
+        read_json_strict(hf_config, CheckpointError, "huggingface/config.json")
+    except CheckpointError:
         return not_ready("huggingface/config.json is not valid JSON (yet)")
     behind = _tracker_behind(actor_dir)
     if behind:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 from mergeflow.errors import UsageError
+from mergeflow.io.jsonfiles import JsonObject
 
 # The choices and defaults of every entry point (CLI flags, served deployments, the checkpoint
 # flow's parameters): defined once here, read everywhere else.
@@ -88,7 +88,7 @@ class ModelMergerConfig:
         if self.hf_upload_path is not None and self.hf_upload_path.count("/") != 1:
             raise UsageError(f"--hf_upload_path must look like ORG/REPO, not {self.hf_upload_path!r}")
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return dataclasses.asdict(self)
 
 
@@ -98,4 +98,4 @@ class MergeResult:
 
     output_dir: str
     manifest_path: str
-    upload: dict[str, Any] | None = None
+    upload: JsonObject | None = None

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import re
 
-# C0 and C1 control characters (terminal escape sequences start with one), DEL included.
+# Whole terminal escape sequences (CSI such as colours, OSC such as window titles), then any
+# other C0/C1 control character, DEL included: library text (torch's) carries colour codes.
+_ESCAPE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[@-_]")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]+")
 
 
 def one_line(text: str) -> str:
-    """`text` as one printable line: control characters and newlines become single spaces."""
-    return _CONTROL.sub(" ", text).strip()
+    """`text` as one printable line: escape sequences dropped, control characters and newlines become spaces."""
+    return _CONTROL.sub(" ", _ESCAPE.sub("", text)).strip()
 
 
 class MergeflowError(Exception):

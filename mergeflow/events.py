@@ -13,10 +13,10 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
 
-from mergeflow.formats.verl_checkpoint import step_of
 from mergeflow.errors import UsageError
+from mergeflow.formats.verl_checkpoint import step_of
+from mergeflow.io.jsonfiles import JsonObject
 
 EVENT_CHECKPOINT_SAVED = "mergeflow.checkpoint.saved"
 RESOURCE_PREFIX = "mergeflow.checkpoint."
@@ -51,8 +51,8 @@ def build_checkpoint_event(
     run_name: str | None = None,
     base_model: str | None = None,
     target_dir: str | None = None,
-    extra: dict[str, Any] | None = None,
-) -> tuple[dict[str, str], dict[str, Any]]:
+    extra: JsonObject | None = None,
+) -> tuple[dict[str, str], JsonObject]:
     """The (resource, payload) pair of a checkpoint-saved event; pure, no Prefect."""
     actor_dir = resolve_actor_dir(path)
     if step is None:
@@ -62,7 +62,7 @@ def build_checkpoint_event(
     if run_name is None and infer_step(actor_dir) is not None:
         # global_step_N lives directly in TRAIN_OUTPUT_DIR, whose name names the run.
         run_name = actor_dir.parent.parent.name
-    payload: dict[str, Any] = {"local_dir": str(actor_dir), "step": step, "run_name": run_name}
+    payload: JsonObject = {"local_dir": str(actor_dir), "step": step, "run_name": run_name}
     # The deployment runs in another process and cwd: relative paths would point elsewhere.
     if base_model is not None:
         payload["base_model"] = os.path.abspath(os.path.expanduser(base_model))

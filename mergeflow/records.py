@@ -10,7 +10,7 @@ is the one place that builds it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal, Union
 
 from mergeflow.export.layout import TensorLayout
 from mergeflow.formats.manifest import ArtifactType
@@ -127,6 +127,70 @@ class RankIndex:
 
 
 @dataclass(frozen=True)
+class CheckpointSource:
+    """A tensor of the rank files, reassembled from its shards."""
+
+    layout: TensorLayout
+    kind: Literal["checkpoint"] = "checkpoint"
+
+
+@dataclass(frozen=True)
+class BaseModelSource:
+    """A tensor of the base model's safetensors files (LoRA-only fusion takes its frozen weights there)."""
+
+    file: str
+    key: str
+    kind: Literal["base_model"] = "base_model"
+
+
+@dataclass(frozen=True)
+class ComputedSource:
+    """Another write's result: a conversion can take an already fused LoRA weight."""
+
+    write: TensorWrite
+    kind: Literal["computed"] = "computed"
+
+
+TensorSource = Union[CheckpointSource, BaseModelSource, ComputedSource]
+
+
+@dataclass(frozen=True)
+class LoraFuse:
+    """Fold one LoRA adapter into the frozen weight (or bias) of one module, as PEFT merges it."""
+
+    param: Literal["weight", "bias"]
+    module: str
+    scaling: float
+    rank: int
+    base: TensorSource | None = None  # the frozen tensor, set once its source is known
+    lora_A: TensorSource | None = None
+    lora_B: TensorSource | None = None
+    lora_magnitude_vector: TensorSource | None = None
+    lora_B_bias: TensorSource | None = None
+    op: Literal["lora_fuse"] = "lora_fuse"
+
+
+@dataclass(frozen=True)
+class BaseCopy:
+    """A frozen weight copied from its source unchanged (LoRA-only fusion: from the base model)."""
+
+    base: TensorSource
+    op: Literal["base_copy"] = "base_copy"
+
+
+@dataclass(frozen=True)
+class ArchitectureOp:
+    """A tensor conversion of an architecture adapter: whole source tensors in, one tensor out."""
+
+    op: str  # one of the adapter's `ops`
+    inputs: tuple[TensorSource, ...]
+    params: dict[str, int | float | str | None] = field(default_factory=dict)
+
+
+Transform = Union[LoraFuse, BaseCopy, ArchitectureOp]
+
+
+@dataclass(frozen=True)
 class TensorWrite:
     """One output tensor: its name in the artifact, where its pieces come from, its dtype."""
 
@@ -134,7 +198,7 @@ class TensorWrite:
     source_key: str
     layout: TensorLayout
     out_dtype: str
-    transform: dict[str, Any] | None = None  # LoRA fusion or architecture conversion, if any
+    transform: Transform | None = None  # LoRA fusion or architecture conversion, if any
 
 
 @dataclass(frozen=True)

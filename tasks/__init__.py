@@ -11,7 +11,8 @@ steps are cheap to redo.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypedDict
 
 from mergeflow.errors import is_retryable
 
@@ -25,5 +26,13 @@ def retry_transient(task: Any, task_run: Any, state: Any) -> bool:
     return False
 
 
+class RetryOptions(TypedDict):
+    """The `@task` options of one retry policy."""
+
+    retries: int
+    retry_delay_seconds: int
+    retry_condition_fn: Callable[[Any, Any, Any], bool]
+
+
 # Task options of the file-reading and -writing tasks: retried on I/O hiccups (never on a refusal).
-RETRY_IO: dict[str, Any] = {"retries": 2, "retry_delay_seconds": 1, "retry_condition_fn": retry_transient}
+RETRY_IO: RetryOptions = {"retries": 2, "retry_delay_seconds": 1, "retry_condition_fn": retry_transient}

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from mergeflow.export.publish import finalize_staging, publish_staged
-from mergeflow.records import FileRecord, MergePlan, OutputPlan, ShardRecord, ValidationReport
+from mergeflow.io.jsonfiles import JsonObject
+from mergeflow.records import (
+    FileRecord,
+    MergePlan,
+    OutputPlan,
+    ShardRecord,
+    ValidationReport,
+)
 
 
 @task(name="write-metadata", task_run_name="write-metadata", retries=1, retry_delay_seconds=1, cache_policy=NO_CACHE)
 def write_metadata(plan: MergePlan, output: OutputPlan, rank_digests: dict[str, str], shards: list[ShardRecord],
-                   extra_files: list[FileRecord] | None = None, lora_fusion: dict[str, Any] | None = None) -> dict[str, Any]:
+                   extra_files: list[FileRecord] | None = None, lora_fusion: JsonObject | None = None) -> JsonObject:
     """Write config, weight index and manifest into staging."""
     return finalize_staging(plan, output, rank_digests, shards, extra_files, lora_fusion)
 

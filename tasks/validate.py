@@ -8,24 +8,25 @@ call time, so a test can wrap it (tests/test_resume.py corrupts a shard just bef
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from mergeflow.export.artifact_check import validate_artifact_dir
-from mergeflow.records import MergePlan, ValidationReport, VerifiedFile
 from mergeflow.export.staged_check import validate_staged
+from mergeflow.io.jsonfiles import JsonObject
+from mergeflow.records import MergePlan, ValidationReport, VerifiedFile
+
 
 @task(name="validate-staged", task_run_name="validate-staged", cache_policy=NO_CACHE)
-def validate_staged_task(plan: MergePlan, manifest: dict[str, Any],
+def validate_staged_task(plan: MergePlan, manifest: JsonObject,
                          verified: dict[str, VerifiedFile] | None = None) -> ValidationReport:
     """Re-check the staged artifact end to end before it may be published."""
     return validate_staged(plan, manifest, verified)
 
 
 @task(name="validate-artifact", task_run_name="validate-{path}")
-def validate_artifact_task(path: str) -> dict[str, Any]:
+def validate_artifact_task(path: str) -> JsonObject:
     """Validate a published (or staged) artifact without its source checkpoint."""
     summary = validate_artifact_dir(Path(path))
     return {"architecture": summary.architecture, "artifact_type": summary.artifact_type,

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from mergeflow.tasks import RETRY_IO
 from prefect import task
 
 from mergeflow.export.reconstruct import RankStates
 from mergeflow.export.shard_writer import write_shard_file
-from mergeflow.records import MergePlan, ShardPlan, ShardRecord
 from mergeflow.io.staging import staged_file_state, staging_id
-from mergeflow.tasks import RETRY_IO
+from mergeflow.records import MergePlan, ShardPlan, ShardRecord
 
 
-def _shard_cache_key(context: Any, parameters: dict[str, Any]) -> str:
+def _shard_cache_key(context: Any, parameters: Mapping[str, Any]) -> str:
     # The key must be the same before the first write (file absent) and on a rerun that finds
     # the file intact, yet differ once the staged file was changed or deleted, or the staging
     # directory was recreated: so a retry rewrites a damaged shard instead of trusting a stale record.

@@ -9,10 +9,10 @@ from __future__ import annotations
 import sys
 import time
 
+from mergeflow.export.progress import WRITE_PROGRESS
 from mergeflow.flows.cli import main
-from mergeflow.export import shard_writer as write
 
 if __name__ == "__main__":
     delay = float(sys.argv[1])
-    write.PROGRESS_HOOKS.append(lambda nbytes, ntensors: time.sleep(delay))
-    raise SystemExit(main(sys.argv[2:]))
+    with WRITE_PROGRESS.listening(lambda nbytes, ntensors: time.sleep(delay)):
+        raise SystemExit(main(sys.argv[2:]))

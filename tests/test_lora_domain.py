@@ -296,7 +296,7 @@ def test_train_meta_strict() -> None:
         '{"r": 4, "lora_alpha": NaN, "task_type": null}': "NaN is not a valid JSON number",
         '{"r": 4, "task_type": null}': "'lora_alpha' is missing",
         '{"r": 4, "lora_alpha": 8, "task_type": 3}': "task_type must be a string or null",
-        '{"r": 4, "r": 8, "lora_alpha": 8, "task_type": null}': "key 'r' appears twice",
+        '{"r": 4, "r": 8, "lora_alpha": 8, "task_type": null}': "duplicate key 'r'",
         '{"r": 4, "lora_alpha": 8, "task_type": null, "use_rslora": true}': "unknown field",
         "[4, 8]": "must hold a JSON object",
         '{"r": 4,': "not valid JSON",
@@ -352,7 +352,7 @@ def test_adapter_settings_and_blockers(tmp_path: Path) -> None:
         settings_from_config_dict({**plain, "rank_pattern": {"to_q": 0}})
     duplicate = tmp_path / "adapter_config.json"
     duplicate.write_text('{"r": 4, "r": 8}')
-    with pytest.raises(LoraError, match="appears twice"):
+    with pytest.raises(LoraError, match="duplicate key 'r'"):
         load_adapter_settings(duplicate)
 
 

@@ -10,6 +10,7 @@ reported), and the trusted-load case that depends on the flow's task cache keys.
 from __future__ import annotations
 
 import errno
+from contextlib import AbstractContextManager
 import json
 import os
 import pickle
@@ -178,7 +179,7 @@ def test_malicious_pickle_is_never_executed(ex: Export) -> None:
 
 
 def test_key_sets_differ_between_ranks(ex: Export) -> None:
-    rewrite_rank(rank_path(ex, 2), lambda state: state.pop(sorted(state)[0]))
+    rewrite_rank(rank_path(ex, 2), lambda state: state.pop(min(state)))
     expect_refusal(ex, E.CheckpointError, "different key sets", stage="reconstruct")
 
 
@@ -241,7 +242,7 @@ def test_plain_shards_that_are_not_full_replicas(ex1: Export) -> None:
 def test_plain_replicas_that_disagree(ex1: Export) -> None:
     state = torch.load(ex1.actor_dir / "model_world_size_1_rank_0.pt", weights_only=True)
     copies = [{k: v.clone() for k, v in state.items()} for _ in range(2)]
-    copies[1][sorted(copies[1])[0]].view(-1)[0] += 1.0
+    copies[1][min(copies[1])].view(-1)[0] += 1.0
     _plain_ranks(ex1, copies)
     expect_refusal(ex1, E.CheckpointError, "identical replicas", stage="write")
 
@@ -296,7 +297,7 @@ def _edit_plain(ex1: Export, change: Callable[[dict], None]) -> None:
 
 
 def test_missing_tensor(ex1: Export) -> None:
-    _edit_plain(ex1, lambda s: s.pop(sorted(s)[-1]))
+    _edit_plain(ex1, lambda s: s.pop(max(s)))
     expect_refusal(ex1, E.SchemaMismatchError, "lacks 1 tensor", stage="reconstruct")
 
 
@@ -398,23 +399,17 @@ def test_cast_that_overflows(ex1: Export) -> None:
     expect_refusal(ex1, E.CastError, "overflows", dtype="float16", stage="write")
 
 
-def _touch_during_writes(victim: Path):  # type: ignore[no-untyped-def]
-    from mergeflow.export import shard_writer as write
+def _touch_during_writes(victim: Path) -> AbstractContextManager[None]:
+    """Listen to the shard writes and change `victim`'s mtime at each: an input changed mid-export."""
+    from mergeflow.export.progress import WRITE_PROGRESS
 
-    def touch(nbytes: int, ntensors: int) -> None:
-        os.utime(victim, ns=(1, 1))
-
-    return write.PROGRESS_HOOKS, touch
+    return WRITE_PROGRESS.listening(lambda nbytes, ntensors: os.utime(victim, ns=(1, 1)))
 
 
 def test_input_modified_during_export(ex: Export) -> None:
-    hooks, touch = _touch_during_writes(rank_path(ex, 0))
-    hooks.append(touch)
-    try:
+    with _touch_during_writes(rank_path(ex, 0)):
         err = expect_refusal(ex, E.InputChangedError, "changed during the export", stage="hash")
-    finally:
-        hooks.remove(touch)
-    assert getattr(err, "staging_dir", None)
+    assert err.staging_dir
 
 
 def test_disk_full_while_writing_a_shard(ex1: Export, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -463,13 +458,9 @@ def test_flow_refuses_at_inspect(ex: Export, prefect_api: object) -> None:
 
 
 def test_flow_keeps_and_reports_the_staging_of_a_refusal_during_the_writes(ex: Export, prefect_api: object) -> None:
-    hooks, touch = _touch_during_writes(rank_path(ex, 0))
-    hooks.append(touch)
-    try:
+    with _touch_during_writes(rank_path(ex, 0)):
         err = expect_flow_refusal(ex, E.InputChangedError, "changed during the export")
-    finally:
-        hooks.remove(touch)
-    staging = getattr(err, "staging_dir", None)
+    staging = err.staging_dir
     assert staging and Path(staging).is_dir(), "the kept staging directory was not reported"
 
 

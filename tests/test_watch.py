@@ -111,7 +111,7 @@ def test_inspect_checkpoint_reports_each_missing_piece(tmp_path: Path) -> None:
     (actor / "fsdp_config.json").write_text('{"world_size": 2, "world_size": 2}')
     assert "not valid JSON" in inspect_checkpoint(actor).reason
     (actor / "fsdp_config.json").write_text('{"FSDP_version": 2, "world_size": true}')
-    assert "positive integer world_size" in inspect_checkpoint(actor).reason
+    assert "world_size must be an integer" in inspect_checkpoint(actor).reason  # the merge's own reader says why
     write_fsdp_config(actor, 2)
     (actor / "model_world_size_2_rank_0.pt").write_bytes(b"x")
     assert "1 of 2 model rank files" in inspect_checkpoint(actor).reason

@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from mergeflow.errors import BaseModelError, CheckpointError, SchemaMismatchError
+from mergeflow.io.jsonfiles import JsonObject
 
 if TYPE_CHECKING:
     import torch
 
     from mergeflow.architectures.schema import ModelSchema
-    from mergeflow.records import TensorWrite
+    from mergeflow.records import ArchitectureOp, TensorWrite
 
 Headers = Mapping[str, tuple[str, tuple[int, ...]]]  # tensor -> (dtype, shape) from safetensors headers
 
@@ -42,7 +43,7 @@ class TrainedSchema:
     keep_fp32: tuple[str, ...]
     transformer_class: str
     adapter: str | None = None  # set when the writes are converted (the manifest records it)
-    adapter_params: dict[str, Any] = field(default_factory=dict)
+    adapter_params: JsonObject = field(default_factory=dict)
     output_shapes: dict[str, tuple[int, ...]] | None = None  # the artifact's exact tensor set, when not the checkpoint's
 
 
@@ -67,9 +68,9 @@ class ArchitectureAdapter:
         """The artifact's writes from the checkpoint's (unchanged by default)."""
         return writes
 
-    def apply_op(self, spec: dict[str, Any], inputs: list[torch.Tensor]) -> torch.Tensor:
+    def apply_op(self, spec: ArchitectureOp, inputs: list[torch.Tensor]) -> torch.Tensor:
         """The tensor one of `ops` makes from its whole source tensors."""
-        raise SchemaMismatchError(f"unknown tensor transform {spec.get('op')!r}")
+        raise SchemaMismatchError(f"unknown tensor transform {spec.op!r}")
 
     def check_lora(self, layout: str, fuse: bool) -> None:
         """Refuse a LoRA export this architecture's base cannot take (any is fine by default)."""

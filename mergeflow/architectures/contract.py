@@ -11,7 +11,6 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from mergeflow.architectures.registry import (
     INDEX_FILES,
@@ -27,11 +26,11 @@ from mergeflow.architectures.registry import (
     read_index,
     weights_name_for,
 )
-from mergeflow.io.config_paths import is_config_json, strip_local_paths
-from mergeflow.errors import BaseModelError, UsageError, ArtifactInvalidError
-from mergeflow.io.jsonfiles import read_json_strict
+from mergeflow.errors import ArtifactInvalidError, BaseModelError, UsageError
 from mergeflow.formats.manifest import MANIFEST_NAME
 from mergeflow.formats.weight_index import read_weights
+from mergeflow.io.config_paths import is_config_json, strip_local_paths
+from mergeflow.io.jsonfiles import JsonObject, read_json_strict
 from mergeflow.io.paths import check_relative_name
 
 # Tool state beside a model, not part of it (`hf download --local-dir` writes .cache/huggingface).
@@ -85,14 +84,14 @@ def walk_base(base_dir: Path) -> tuple[list[str], dict[str, str]]:
     return sorted(files), excluded
 
 
-def _config(path: Path, rel: str) -> dict[str, Any]:
+def _config(path: Path, rel: str) -> JsonObject:
     data = read_json_strict(path, BaseModelError, f"{rel} of the base")
     if not isinstance(data, dict):
         raise BaseModelError(f"{rel} of the base must be a JSON object")
     return data
 
 
-def _refuse_remote_or_quantized(data: dict[str, Any], rel: str) -> None:
+def _refuse_remote_or_quantized(data: JsonObject, rel: str) -> None:
     if "auto_map" in data:
         raise BaseModelError(f"{rel} of the base has an auto_map (Hub remote code); such components are not supported")
     if "quantization_config" in data:
@@ -138,7 +137,7 @@ def _check_component(base_dir: Path, name: str, library: str, class_name: str, s
             _refuse_remote_or_quantized(_config(folder / config_name, f"{name}/{config_name}"), f"{name}/{config_name}")
 
 
-def _check_options(arch: Architecture, index: dict[str, Any], components: dict[str, tuple[str, str]]) -> None:
+def _check_options(arch: Architecture, index: JsonObject, components: dict[str, tuple[str, str]]) -> None:
     """Primitive pipeline options that must make sense (Wan2.2's expert switch)."""
     if "boundary_ratio" in arch.options:
         ratio = index.get("boundary_ratio")
@@ -151,7 +150,7 @@ def _check_options(arch: Architecture, index: dict[str, Any], components: dict[s
             raise BaseModelError(f"model_index.json expand_timesteps must be true or false, not {index['expand_timesteps']!r}")
 
 
-def declared_components(arch: Architecture, index: dict[str, Any], index_file: str) -> dict[str, tuple[str, str]]:
+def declared_components(arch: Architecture, index: JsonObject, index_file: str) -> dict[str, tuple[str, str]]:
     """Every non-null component the index declares; unknown components are refused."""
     out: dict[str, tuple[str, str]] = {}
     for name, value in index.items():
@@ -214,10 +213,13 @@ def check_pipeline_contract(base_dir: Path, *, component: str, trust_remote_code
             _, removed = strip_local_paths(rel, (base_dir / rel).read_bytes(), str(base_dir))
             if removed:
                 changes[rel] = removed
+    # The trained config.json is written at publish by the same rule: a local path it would keep
+    # is refused now, not after every shard is written.
+    strip_local_paths(f"{component}/config.json", (base_dir / component / "config.json").read_bytes(), str(base_dir))
     return PipelineContract(arch, index_file, components, tuple(files), copy_files, excluded, changes)
 
 
-def check_pipeline_artifact(root: Path, manifest: dict[str, Any]) -> None:
+def check_pipeline_artifact(root: Path, manifest: JsonObject) -> None:
     """`test` for pipelines: the index agrees with the manifest and every declared component is there."""
     index_file, index = read_index_for_test(root)
     if index.get("_class_name") != manifest["architecture"]:
@@ -239,7 +241,7 @@ def check_pipeline_artifact(root: Path, manifest: dict[str, Any]) -> None:
         raise ArtifactInvalidError(f"{index_file} does not declare the trained component {trained!r}")
 
 
-def read_index_for_test(root: Path) -> tuple[str, dict[str, Any]]:
+def read_index_for_test(root: Path) -> tuple[str, JsonObject]:
     """The artifact's pipeline index, read strictly; a pipeline artifact without one is invalid."""
     for name in INDEX_FILES:
         if (root / name).is_file():

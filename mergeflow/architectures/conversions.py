@@ -1,30 +1,23 @@
 """Applying an architecture adapter's tensor conversion: planned per output tensor, run by the writer.
 
 An adapter turns the checkpoint's writes (training names and layouts) into the deployed
-layout's writes; a converted write carries a declarative `transform` spec ({"op": ..., "inputs":
-[SOURCE, ...]}, SOURCE as in mergeflow.lora.fuse). The writer looks the op's adapter up here to
+layout's writes; a converted write carries an `ArchitectureOp` (mergeflow.records: the op, its
+sources and parameters). The writer looks the op's adapter up here to
 produce the tensor; its round trip re-verifies every source and recomputes the written bytes.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from mergeflow.architectures.registry import ADAPTERS, adapter_for_op
 from mergeflow.errors import SchemaMismatchError
-from mergeflow.records import Conversion, TensorWrite
+from mergeflow.records import ArchitectureOp, Conversion, TensorWrite
 
 
-def is_conversion_op(op: object) -> bool:
-    """Whether `op` is one of the registered adapters' tensor transforms."""
-    return isinstance(op, str) and any(op in adapter.ops for adapter in ADAPTERS.values())
-
-
-def apply_transform(spec: dict[str, Any], inputs: list[torch.Tensor]) -> torch.Tensor:
+def apply_transform(spec: ArchitectureOp, inputs: list[torch.Tensor]) -> torch.Tensor:
     """The output tensor a conversion spec makes from its whole input tensors."""
-    return adapter_for_op(str(spec.get("op"))).apply_op(spec, inputs)
+    return adapter_for_op(spec.op).apply_op(spec, inputs)
 
 
 def convert_writes(conversion: Conversion, writes: list[TensorWrite]) -> list[TensorWrite]:

@@ -9,18 +9,22 @@ The QKV layout is a declared choice (interleaved per head, or stacked), never gu
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from mergeflow.architectures.adapters import ArchitectureAdapter, BaseWeights, TrainedSchema
-from mergeflow.errors import LoraError, SchemaMismatchError
+from mergeflow.architectures.adapters import (
+    ArchitectureAdapter,
+    BaseWeights,
+    TrainedSchema,
+)
+from mergeflow.errors import BaseModelError, LoraError, SchemaMismatchError
+from mergeflow.io.jsonfiles import JsonObject
 
 if TYPE_CHECKING:  # torch and the records load when a conversion runs: the registry imports this module
     import torch
 
     from mergeflow.export.layout import TensorLayout
-    from mergeflow.records import TensorWrite
+    from mergeflow.records import ArchitectureOp, TensorSource, TensorWrite
 
 NATIVE_CLASS = "MiniMaxH3DiTModel"
 DIFFUSERS_CLASS = "MiniMaxH3Transformer3DModel"
@@ -104,7 +108,7 @@ def native_plan(source_names: list[str]) -> dict[str, tuple[str, list[str]]]:
     return out
 
 
-def native_config(diffusers_config: Mapping[str, Any], constructor_fields: list[str]) -> dict[str, Any]:
+def native_config(diffusers_config: Mapping[str, Any], constructor_fields: list[str]) -> JsonObject:
     """The native config fields implied by a full Diffusers config (defaults filled in)."""
     unmapped = sorted(set(constructor_fields) - set(CONFIG_SAME) - set(CONFIG_RENAMES))
     if unmapped:
@@ -134,17 +138,17 @@ def config_differences(expected: Mapping[str, Any], base_config: Mapping[str, An
 
 
 def rope_inv_freq(length: int, theta: float | None) -> torch.Tensor:
+    """SPEC: float32 `theta ** -(arange(0, 2L, 2) / (2L))`, theta defaulting to 10000."""
     import torch
 
-    """SPEC: float32 `theta ** -(arange(0, 2L, 2) / (2L))`, theta defaulting to 10000."""
     exponents = torch.arange(0, 2 * length, 2, dtype=torch.float32) / (2 * length)
     return float(theta if theta is not None else DEFAULT_THETA) ** -exponents
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, head_dim: int, layout: str) -> torch.Tensor:
+    """[H*D, in] x3 -> [3*H*D, in]: per head [q_h; k_h; v_h] (interleaved) or [q; k; v] (stacked)."""
     import torch
 
-    """[H*D, in] x3 -> [3*H*D, in]: per head [q_h; k_h; v_h] (interleaved) or [q; k; v] (stacked)."""
     if layout == "stacked":
         return torch.cat([q, k, v], dim=0)
     per_head = [t.reshape(heads, head_dim, t.shape[1]) for t in (q, k, v)]
@@ -152,21 +156,24 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, head
 
 
 def swap_halves(weight: torch.Tensor) -> torch.Tensor:
+    """Exchange the two row halves (its own inverse)."""
     import torch
 
-    """Exchange the two row halves (its own inverse)."""
     first, second = weight.chunk(2, dim=0)
     return torch.cat([second, first], dim=0)
 
 
-def apply_op(spec: dict[str, Any], inputs: list[torch.Tensor]) -> torch.Tensor:
-    """The native tensor a transform spec of this adapter makes from its (whole) source tensors."""
-    op = spec["op"]
-    if op == "fuse_qkv":
-        return fuse_qkv(*inputs, spec["heads"], spec["head_dim"], spec["layout"])
-    if op == "swap_halves":
+def apply_op(spec: ArchitectureOp, inputs: list[torch.Tensor]) -> torch.Tensor:
+    """The native tensor one of this adapter's ops makes from its (whole) source tensors."""
+    params = spec.params
+    if spec.op == "fuse_qkv":
+        q, k, v = inputs
+        return fuse_qkv(q, k, v, int(params["heads"] or 0), int(params["head_dim"] or 0), str(params["layout"]))
+    if spec.op == "swap_halves":
         return swap_halves(inputs[0])
-    return rope_inv_freq(spec["length"], spec["theta"])
+    if spec.op == "rope_inv_freq":
+        return rope_inv_freq(int(params["length"] or 0), params["theta"])  # type: ignore[arg-type]
+    raise SchemaMismatchError(f"unknown MiniMax H3 tensor transform {spec.op!r}")
 
 
 OPS = ("fuse_qkv", "swap_halves", "rope_inv_freq")
@@ -189,18 +196,17 @@ def _virtual(name: str, dtype: str, shape: tuple[int, ...]) -> TensorLayout:
     return TensorLayout(name, dtype, shape, None, (), ())
 
 
-def _source(write: TensorWrite) -> dict[str, Any]:
-    # The writer's SOURCE record (see mergeflow.lora.fuse): a tensor of the rank files, or, for a
-    # computed write (a fused LoRA weight), that write's result, so LoRA is fused before conversion.
-    if write.transform is None:
-        return {"from": "checkpoint", "layout": asdict(write.layout)}
-    return {"from": "computed", "name": write.name, "out_dtype": write.out_dtype,
-            "layout": asdict(write.layout), "transform": write.transform}
+def _source(write: TensorWrite) -> TensorSource:
+    # A tensor of the rank files, or, for a computed write (a fused LoRA weight), that write's
+    # result, so LoRA is fused before conversion.
+    from mergeflow.records import CheckpointSource, ComputedSource
+
+    return CheckpointSource(write.layout) if write.transform is None else ComputedSource(write)
 
 
 def plan_native_writes(writes: list[TensorWrite], params: Mapping[str, Any]) -> list[TensorWrite]:
     """Turn the checkpoint's (Diffusers-named) writes into the native package's writes."""
-    from mergeflow.records import TensorWrite
+    from mergeflow.records import ArchitectureOp, TensorWrite
 
     by_name = {w.name: w for w in writes}
     heads, head_dim, layout = int(params["num_attention_heads"]), int(params["attention_head_dim"]), params["qkv_layout"]
@@ -219,16 +225,16 @@ def plan_native_writes(writes: list[TensorWrite], params: Mapping[str, Any]) -> 
         if op == "fuse_qkv":
             if any(p.layout.shape != (heads * head_dim, shape[1]) for p in parts):
                 raise SchemaMismatchError(f"{native}: q/k/v must each be [{heads * head_dim}, in] to fuse")
-            spec: dict[str, Any] = {"op": op, "heads": heads, "head_dim": head_dim, "layout": layout}
+            params_of_op: dict[str, int | float | str | None] = {"heads": heads, "head_dim": head_dim, "layout": layout}
             shape = (3 * shape[0], shape[1])
         else:
             if shape[0] % 2:
                 raise SchemaMismatchError(f"{first.name} has an odd row count {shape[0]}; it is not a [value; gate] pair")
-            spec = {"op": op}
-        spec["inputs"] = [_source(p) for p in parts]
+            params_of_op = {}
+        spec = ArchitectureOp(op, tuple(_source(p) for p in parts), params_of_op)
         out.append(TensorWrite(native, first.source_key, _virtual(native, first.out_dtype, shape), first.out_dtype, spec))
     length = int(params["rope_inv_freq_len"])
-    spec = {"op": "rope_inv_freq", "length": length, "theta": params["rope_theta"], "inputs": []}
+    spec = ArchitectureOp("rope_inv_freq", (), {"length": length, "theta": params["rope_theta"]})
     out.append(TensorWrite(INV_FREQ, INV_FREQ, _virtual(INV_FREQ, "float32", (length,)), "float32", transform=spec))
     return sorted(out, key=lambda w: w.name)
 
@@ -239,7 +245,7 @@ def check_native_base(
     base_headers: Mapping[str, tuple[str, tuple[int, ...]]],
     stored_inv_freq: torch.Tensor | None,
     qkv_layout: str,
-) -> tuple[dict[str, tuple[int, ...]], tuple[str, ...], dict[str, Any], dict[str, tuple[int, ...]]]:
+) -> tuple[dict[str, tuple[int, ...]], tuple[str, ...], JsonObject, dict[str, tuple[int, ...]]]:
     """Check a native base against the checkpoint's Diffusers config.
 
     Returns the Diffusers schema the checkpoint must cover, the fp32-kept modules, the
@@ -247,7 +253,13 @@ def check_native_base(
     """
     import torch
 
-    from mergeflow.architectures.schema import constructor_fields, diffusers_model_class, expected_tensors, keep_in_fp32_modules, meta_model
+    from mergeflow.architectures.schema import (
+        constructor_fields,
+        diffusers_model_class,
+        expected_tensors,
+        keep_in_fp32_modules,
+        meta_model,
+    )
 
     if actor_config.get("_class_name") != DIFFUSERS_CLASS:
         raise SchemaMismatchError(f"a native MiniMax H3 export needs a {DIFFUSERS_CLASS} checkpoint, not {actor_config.get('_class_name')!r}")
@@ -289,9 +301,9 @@ class MiniMaxH3Native(ArchitectureAdapter):
 
     def trained_schema(self, actor_config: Mapping[str, Any], base_config: Mapping[str, Any], weights: BaseWeights,
                        *, qkv_layout: str, what: str) -> TrainedSchema:
-        from mergeflow.export.targets import stored_tensor
+        from mergeflow.formats.weight_index import read_stored_tensor
 
-        stored = stored_tensor(Path(weights.component_dir), weights.weights_name, INV_FREQ)
+        stored = read_stored_tensor(Path(weights.component_dir), weights.weights_name, INV_FREQ, BaseModelError, "the base")
         expected, keep, params, native = check_native_base(actor_config, base_config, weights.headers, stored, qkv_layout)
         return TrainedSchema(expected, keep, str(actor_config.get("_class_name")), adapter=self.name,
                              adapter_params=params, output_shapes=native)
@@ -299,7 +311,7 @@ class MiniMaxH3Native(ArchitectureAdapter):
     def convert_writes(self, writes: list[TensorWrite], params: Mapping[str, Any]) -> list[TensorWrite]:
         return plan_native_writes(writes, params)
 
-    def apply_op(self, spec: dict[str, Any], inputs: list[torch.Tensor]) -> torch.Tensor:
+    def apply_op(self, spec: ArchitectureOp, inputs: list[torch.Tensor]) -> torch.Tensor:
         return apply_op(spec, inputs)
 
     def check_lora(self, layout: str, fuse: bool) -> None:

@@ -11,9 +11,8 @@ from typing import Any
 import torch
 
 from mergeflow.errors import BaseModelError, SchemaMismatchError
-from mergeflow.io.jsonfiles import read_json_strict
 from mergeflow.formats.rank_files import dtype_name
-from mergeflow.formats.weight_index import Headers, read_weight_headers
+from mergeflow.io.jsonfiles import JsonObject, read_json_strict
 
 
 def diffusers_model_class(class_name: str) -> type:
@@ -27,7 +26,7 @@ def diffusers_model_class(class_name: str) -> type:
     return cls
 
 
-def meta_model(cls: type, config: dict[str, Any]) -> torch.nn.Module:
+def meta_model(cls: type, config: JsonObject) -> torch.nn.Module:
     """Instantiate `cls` from `config` on the meta device: shapes without memory."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -67,7 +66,7 @@ class ModelSchema:
     the meta module's state_dict() shapes and the modules kept in float32."""
 
     class_name: str
-    fields: dict[str, Any]
+    fields: JsonObject
     tensors: dict[str, tuple[int, ...]]
     keep_fp32: tuple[str, ...]
 
@@ -81,7 +80,7 @@ class ModelSchema:
 SCHEMA_CACHE_VERSION = 1
 
 
-def model_schema(class_name: str, config: dict[str, Any]) -> ModelSchema:
+def model_schema(class_name: str, config: JsonObject) -> ModelSchema:
     """The schema `class_name` builds from `config` on the meta device, remembered on disk.
 
     Instantiating the class is cheap; importing Diffusers to get at it costs 2-3 s of every
@@ -108,7 +107,7 @@ def model_schema(class_name: str, config: dict[str, Any]) -> ModelSchema:
     return schema
 
 
-def _schema_cache_path(class_name: str, config: dict[str, Any]) -> Path | None:
+def _schema_cache_path(class_name: str, config: JsonObject) -> Path | None:
     import hashlib
     import json
     import os
@@ -182,17 +181,8 @@ def is_kept_in_fp32(key: str, modules: tuple[str, ...]) -> bool:
     return any(m in parts for m in modules)
 
 
-def read_model_config(path: Path, error: type, what: str) -> dict[str, Any]:
+def read_model_config(path: Path, error: type, what: str) -> JsonObject:
     data = read_json_strict(path, error, what)
     if not isinstance(data, dict):
         raise error(f"{what} must be a JSON object")
     return data
-
-
-def base_weight_headers(model_dir: Path, *, weights_name: str = "diffusion_pytorch_model.safetensors") -> Headers:
-    """The base's {key: (dtype, shape)}, checked by the one weight reader with the base's error type.
-
-    Kept for `export.targets.pipeline_target`, which calls it; new code calls
-    `mergeflow.formats.weight_index.read_weight_headers` (it needs no torch, this module does).
-    """
-    return read_weight_headers(model_dir, weights_name, BaseModelError, "the base")

@@ -17,11 +17,12 @@ from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 
 from mergeflow.errors import UsageError
+from mergeflow.io.jsonfiles import JsonObject
 
 # Constructor kwargs per Diffusers class. Every model has a tensor with 1 or 2 rows (an
 # output projection or modulation table), so 3 and 4 ranks both get an empty shard, and
 # several 5-, 7-, 10-, 13-, 20-, 25- or 30-row tensors, so shards are uneven.
-TINY_TRANSFORMER_CONFIGS: dict[str, dict[str, Any]] = {
+TINY_TRANSFORMER_CONFIGS: dict[str, JsonObject] = {
     "FluxTransformer2DModel": {
         "patch_size": 1,
         "in_channels": 5,
@@ -205,7 +206,7 @@ def perturb_(model: nn.Module, *, seed: int, scale: float = 1e-2) -> None:
                 param.add_(noise, alpha=scale)
 
 
-def tiny_forward_inputs(class_name: str, config: Mapping[str, Any], *, seed: int = 0) -> dict[str, Any]:
+def tiny_forward_inputs(class_name: str, config: Mapping[str, Any], *, seed: int = 0) -> JsonObject:
     """Fixed tiny keyword inputs (batch 1) for one forward pass of a model built from `config`."""
     gen = torch.Generator().manual_seed(seed)
 
@@ -267,7 +268,7 @@ def tiny_forward_inputs(class_name: str, config: Mapping[str, Any], *, seed: int
     raise UsageError(f"no tiny forward inputs for {class_name!r}")
 
 
-def _minimax_h3_inputs(config: Mapping[str, Any], noise: Any) -> dict[str, Any]:
+def _minimax_h3_inputs(config: Mapping[str, Any], noise: Any) -> JsonObject:
     """One packed sequence: 2 text rows, 2 audio rows, 3 video rows, two noise levels."""
     n_text, n_audio, n_video = 2, 2, 3
     length = n_text + n_audio + n_video

@@ -12,18 +12,27 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from mergeflow.io.config_paths import is_config_json
-from mergeflow.errors import ArtifactInvalidError
-from mergeflow.io.fs import FileStamp, sha256_file
-from mergeflow.io.jsonfiles import read_json_strict
-from mergeflow.lora.artifact import ADAPTER_DIR, ADAPTER_MANIFEST, adapter_only_root, check_adapter_weights
-from mergeflow.formats.manifest import MANIFEST_NAME, PIPELINE_ARTIFACT_TYPES, check_manifest
 from mergeflow.architectures.contract import check_pipeline_artifact
+from mergeflow.errors import ArtifactInvalidError
+from mergeflow.formats.manifest import (
+    MANIFEST_NAME,
+    PIPELINE_ARTIFACT_TYPES,
+    check_manifest,
+)
 from mergeflow.formats.safetensors_format import nbytes
 from mergeflow.formats.weight_index import WEIGHT_NAMES, has_weights, read_weights
+from mergeflow.io.config_paths import is_config_json
+from mergeflow.io.fs import FileStamp, sha256_file
+from mergeflow.io.jsonfiles import JsonObject, read_json_strict
 from mergeflow.io.staging import artifact_root
+from mergeflow.lora.artifact import (
+    ADAPTER_DIR,
+    ADAPTER_MANIFEST,
+    adapter_only_root,
+    check_adapter_weights,
+)
 
 if TYPE_CHECKING:  # records pull in the rank-file loader (torch); `test` needs only their shape
     from mergeflow.records import VerifiedFile
@@ -42,7 +51,7 @@ class ArtifactSummary:
     artifact_type: str
     files: int
     tensors: int
-    manifest: dict[str, Any]
+    manifest: JsonObject
 
 
 def _tree_sizes(root: Path) -> dict[str, int]:
@@ -111,7 +120,7 @@ def _unchanged(path: Path, verified: VerifiedFile) -> bool:
         return False
 
 
-def check_weights(tensor_dir: Path, rel_prefix: str, tensors: dict[str, Any]) -> int:
+def check_weights(tensor_dir: Path, rel_prefix: str, tensors: JsonObject) -> int:
     """The weight files (single or indexed) hold exactly the manifest's tensors."""
     weights_name = next((name for name in WEIGHT_NAMES if has_weights(tensor_dir, name)), None)
     if weights_name is None:
@@ -139,7 +148,7 @@ def check_weights(tensor_dir: Path, rel_prefix: str, tensors: dict[str, Any]) ->
     return len(found)
 
 
-def check_configs(root: Path, manifest: dict[str, Any]) -> None:
+def check_configs(root: Path, manifest: JsonObject) -> None:
     """The root config names the manifest's architecture; no config leaks a local path."""
     if manifest["artifact_type"] == "peft_adapter":
         return

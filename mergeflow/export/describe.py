@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from mergeflow.architectures.schema import read_model_config
 from mergeflow.errors import CheckpointError
@@ -15,9 +14,10 @@ from mergeflow.formats.verl_checkpoint import (
     rank_file_names,
     read_fsdp_config,
 )
+from mergeflow.io.jsonfiles import JsonObject
 
 
-def describe_checkpoint(actor_dir: Path, *, trust_checkpoint: bool = False) -> dict[str, Any]:
+def describe_checkpoint(actor_dir: Path, *, trust_checkpoint: bool = False) -> JsonObject:
     """What is this checkpoint? World size, layout, tensors, dtypes, LoRA adapters, class."""
     actor_dir = actor_dir.expanduser().resolve()
     fsdp = read_fsdp_config(actor_dir)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from mergeflow.architectures.registry import detect_base
 from mergeflow.architectures.schema import read_model_config
@@ -19,13 +18,30 @@ from mergeflow.errors import CheckpointError
 from mergeflow.export.preflight import check_output_format, resolve_inputs
 from mergeflow.export.targets import TargetSchema, pipeline_target, transformer_target
 from mergeflow.formats.manifest import fingerprint
-from mergeflow.formats.verl_checkpoint import FSDP_CONFIG, read_fsdp_config, rank_file_names
+from mergeflow.formats.verl_checkpoint import (
+    FSDP_CONFIG,
+    rank_file_names,
+    read_fsdp_config,
+)
 from mergeflow.io.fs import FileStamp, sha256_file
+from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.io.paths import lock_path_for, staging_dir_for
 from mergeflow.io.prefetch import DigestPrefetch
-from mergeflow.lora.detect import adapter_target, detect_lora, finish_lora_spec, lora_input_files, resolve_adapter_inputs
+from mergeflow.lora.detect import (
+    adapter_target,
+    detect_lora,
+    finish_lora_spec,
+    lora_input_files,
+    resolve_adapter_inputs,
+)
 from mergeflow.lora.plan import LoraSpec
-from mergeflow.records import BaseInputs, CheckpointInputs, ExportOptions, MergePlan, OutputTarget
+from mergeflow.records import (
+    BaseInputs,
+    CheckpointInputs,
+    ExportOptions,
+    MergePlan,
+    OutputTarget,
+)
 
 # Options that do not change a byte of the artifact stay out of the fingerprint, so changing
 # them keeps a half-done export resumable.
@@ -106,7 +122,7 @@ def _model_export(config: ModelMergerConfig, lora: LoraSpec | None, base: Path, 
                                        files=files, copy_files=schema.copy_files), lora, stamps)
 
 
-def _adapter_export(config: ModelMergerConfig, lora: LoraSpec, base: Path | None, actor_config: dict[str, Any]) -> _Decided:
+def _adapter_export(config: ModelMergerConfig, lora: LoraSpec, base: Path | None, actor_config: JsonObject) -> _Decided:
     """A LoRA-only save's adapter: the base is checked when present, else only named."""
     schema, base_inputs, spec = adapter_target(config, lora, base, actor_config)
     actor = Path(config.local_dir or "").expanduser().resolve()

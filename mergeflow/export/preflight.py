@@ -15,13 +15,21 @@ import importlib.util
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
 
 from mergeflow.architectures.registry import PIPELINES, BaseLayout, detect_base
-from mergeflow.formats.verl_checkpoint import LORA_META, read_fsdp_config, rank_file_names
 from mergeflow.config import ModelMergerConfig
-from mergeflow.errors import BaseModelError, CheckpointError, SchemaMismatchError, UsageError
-from mergeflow.io.jsonfiles import read_json_strict
+from mergeflow.errors import (
+    BaseModelError,
+    CheckpointError,
+    SchemaMismatchError,
+    UsageError,
+)
+from mergeflow.formats.verl_checkpoint import (
+    LORA_META,
+    rank_file_names,
+    read_fsdp_config,
+)
+from mergeflow.io.jsonfiles import JsonObject, read_json_strict
 from mergeflow.io.paths import check_no_overlap, check_target
 
 CHECKPOINT_CONFIG = "huggingface/config.json of the checkpoint"
@@ -127,21 +135,21 @@ def _preflight_maybe_adapter(config: ModelMergerConfig, actor: Path) -> None:
         _check_same_diffusers_class(actor_config, base, layout)
 
 
-def _read_config(path: Path, error: type[CheckpointError] | type[BaseModelError], what: str) -> dict[str, Any]:
+def _read_config(path: Path, error: type[CheckpointError] | type[BaseModelError], what: str) -> JsonObject:
     data = read_json_strict(path, error, what)
     if not isinstance(data, dict):
         raise error(f"{what} must be a JSON object")
     return data
 
 
-def _checkpoint_class(actor_config: dict[str, Any]) -> str:
+def _checkpoint_class(actor_config: JsonObject) -> str:
     name = actor_config.get("_class_name")
     if not isinstance(name, str):
         raise CheckpointError("huggingface/config.json of the checkpoint has no _class_name")
     return name
 
 
-def _check_same_diffusers_class(actor_config: dict[str, Any], base: Path, layout: BaseLayout) -> None:
+def _check_same_diffusers_class(actor_config: JsonObject, base: Path, layout: BaseLayout) -> None:
     """The checks of the flow's Diffusers schema step that need only the two configs."""
     path = layout.transformer_dir / "config.json"
     base_config = _read_config(path, BaseModelError, f"{path.relative_to(base)} of the base")

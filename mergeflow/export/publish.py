@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
 
 from mergeflow.errors import ArtifactInvalidError
 from mergeflow.export.artifact_check import list_tree, manifest_relpath
@@ -16,7 +15,7 @@ from mergeflow.formats.manifest import (
     producer_versions,
 )
 from mergeflow.io.fs import fsync_dir, make_readable, rename_noreplace, sha256_file
-from mergeflow.io.jsonfiles import write_json_durable
+from mergeflow.io.jsonfiles import JsonObject, write_json_durable
 from mergeflow.records import (
     FileRecord,
     MergePlan,
@@ -29,10 +28,11 @@ LAYERS_PASSED = {"structure": "passed", "source_round_trip": "passed", "artifact
                  "integrity": "passed", "runtime": "not_run"}
 
 
-def write_metadata_files(plan: MergePlan, output: OutputPlan) -> tuple[list[FileRecord], dict[str, Any]]:
+def write_metadata_files(plan: MergePlan, output: OutputPlan) -> tuple[list[FileRecord], JsonObject]:
     """The component config (path keys removed) and the weight index, hashed as written."""
     tensor_dir = Path(plan.output.tensor_dir)
-    raw, removed = write_component_config(Path(plan.base.component_dir) / "config.json", tensor_dir / "config.json")
+    raw, removed = write_component_config(Path(plan.base.component_dir) / "config.json", tensor_dir / "config.json",
+                                          plan.base.base_dir)
     records = [FileRecord(plan.output.relative("config.json"), sha256_file(tensor_dir / "config.json"), len(raw), "written")]
     index = write_weight_index(output, plan.output.weights_name, tensor_dir)
     if index is not None:
@@ -41,11 +41,11 @@ def write_metadata_files(plan: MergePlan, output: OutputPlan) -> tuple[list[File
     return records, config_transform_record(plan, removed)
 
 
-def config_transform_record(plan: MergePlan, trained_removed: list[str]) -> dict[str, Any]:
+def config_transform_record(plan: MergePlan, trained_removed: list[str]) -> JsonObject:
     """Manifest config_transform: local-path keys removed per config, the tensor conversion, base files left out."""
     removed = {plan.output.relative("config.json"): trained_removed} if trained_removed else {}
     removed.update(plan.conversion.config_changes)  # copied configs (computed at inspect, re-checked on copy)
-    record: dict[str, Any] = {"removed_keys": dict(sorted(removed.items()))}
+    record: JsonObject = {"removed_keys": dict(sorted(removed.items()))}
     if plan.conversion.adapter:
         record["tensor_conversion"] = {"adapter": plan.conversion.adapter, **plan.conversion.adapter_params}
     if plan.conversion.not_copied:
@@ -58,9 +58,9 @@ def build_manifest(
     rank_digests: dict[str, str],
     shards: list[ShardRecord],
     files: list[FileRecord],
-    config_transform: dict[str, Any],
-    lora_fusion: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+    config_transform: JsonObject,
+    lora_fusion: JsonObject | None = None,
+) -> JsonObject:
     """The manifest of SPEC section 5, built from records only (no absolute paths).
 
     rank_digests maps every rank file name to its sha256 (see mergeflow.export.rank_index.hash_rank_file).
@@ -75,7 +75,7 @@ def build_manifest(
     tensors = {name: {"shape": list(shape), "dtype": dtype} for s in shards for name, (dtype, shape) in s.tensors.items()}
     out_files = {plan.output.relative(s.file_name): s.sha256 for s in shards}
     out_files.update({f.rel_path: f.sha256 for f in files})
-    manifest: dict[str, Any] = {
+    manifest: JsonObject = {
         "schema_version": SCHEMA_VERSION,
         "artifact_type": plan.output.artifact_type,
         "architecture": plan.output.architecture,
@@ -102,7 +102,7 @@ def build_manifest(
 
 
 def finalize_staging(plan: MergePlan, output: OutputPlan, rank_digests: dict[str, str], shards: list[ShardRecord],
-                     extra_files: list[FileRecord] | None = None, lora_fusion: dict[str, Any] | None = None) -> dict[str, Any]:
+                     extra_files: list[FileRecord] | None = None, lora_fusion: JsonObject | None = None) -> JsonObject:
     """Write the remaining files and the manifest into the staging artifact (extra_files: e.g. lora_adapter/)."""
     files, transform = write_metadata_files(plan, output)
     manifest = build_manifest(plan, rank_digests, shards, files + list(extra_files or []), transform, lora_fusion)

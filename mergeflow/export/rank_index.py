@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
 from mergeflow.errors import InputChangedError
+from mergeflow.export.reconstruct import RankStates
+from mergeflow.formats.rank_files import describe_state
 from mergeflow.io.fs import FileStamp, sha256_file
 from mergeflow.io.prefetch import DigestPrefetch
-from mergeflow.formats.rank_files import describe_state
 from mergeflow.records import RankIndex
-from mergeflow.export.reconstruct import RankStates
 
 
 def index_rank_file(actor_dir: Path, file_name: str, rank: int, *, trust_checkpoint: bool = False) -> RankIndex:

@@ -10,8 +10,14 @@ from typing import Any
 import torch
 
 from mergeflow.errors import CheckpointError
+from mergeflow.export.reconstruct import (
+    RankStates,
+    all_finite,
+    primary_chunks,
+    same_bytes,
+)
+from mergeflow.formats.safetensors_format import HeaderEntry
 from mergeflow.records import TensorWrite
-from mergeflow.export.reconstruct import RankStates, all_finite, primary_chunks, same_bytes
 
 BLOCK = 16 * 1024 * 1024
 RETAINED_BYTES = 64 * 1024 * 1024  # per writer; the read-back only needs to trail the writer a little
@@ -28,7 +34,7 @@ class FollowingReadBack:
     leaves idle while its sha256 thread sets the pace.
     """
 
-    def __init__(self, path: Path, data_start: int, entries: dict[str, Any], states: RankStates) -> None:
+    def __init__(self, path: Path, data_start: int, entries: dict[str, HeaderEntry], states: RankStates) -> None:
         self.path = path
         self.data_start = data_start
         self.entries = entries

@@ -8,18 +8,18 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
+from mergeflow.architectures.schema import is_kept_in_fp32
 from mergeflow.errors import CastError, CheckpointError, SchemaMismatchError
-from mergeflow.io.fs import FileStamp
 from mergeflow.export.layout import TensorLayout, plan_layouts
 from mergeflow.formats.rank_files import load_rank_state, local_tensor
-from mergeflow.records import MergePlan, RankIndex, TensorWrite
+from mergeflow.formats.rank_pickle import StateDict
 from mergeflow.formats.safetensors_format import torch_dtype
-from mergeflow.architectures.schema import is_kept_in_fp32
+from mergeflow.io.fs import FileStamp
+from mergeflow.records import MergePlan, RankIndex, TensorWrite
 
 FLOATING = {"float64", "float32", "float16", "bfloat16"}
 _CHECK_ELEMENTS = 1 << 24  # finiteness is checked in slices so no full-size temporary exists
@@ -31,7 +31,7 @@ class RankStates:
 
     # Keyed by stamp (a rewritten file misses) and by trust: a state that only loaded with
     # --trust-checkpoint is never handed to an export that did not pass it.
-    _cache: "OrderedDict[tuple[str, FileStamp, bool], dict[str, Any]]" = OrderedDict()
+    _cache: "OrderedDict[tuple[str, FileStamp, bool], StateDict]" = OrderedDict()
     _lock = threading.Lock()
     _capacity = 64
 
@@ -39,7 +39,7 @@ class RankStates:
         self.paths = [actor_dir / name for name in rank_files]
         self.trust = trust_checkpoint
 
-    def state(self, rank: int) -> dict[str, Any]:
+    def state(self, rank: int) -> StateDict:
         path = self.paths[rank]
         key = (str(path), FileStamp.of(path), self.trust)
         with self._lock:

@@ -6,22 +6,14 @@ import errno
 import json
 import os
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from mergeflow.errors import CheckpointError, DiskFullError
-from mergeflow.io.fs import FileStamp, sha256_file
-from mergeflow.io.jsonfiles import write_json_durable
-from mergeflow.formats.manifest import fingerprint
-from mergeflow.records import OutputPlan, ShardPlan, ShardRecord, TensorWrite
-from mergeflow.io.streamio import BackgroundFlush, HashingWriter
-from mergeflow.formats.safetensors_format import DTYPES, build_header, nbytes, read_header, torch_dtype
-from mergeflow.io.staging import file_stamp
-from mergeflow.lora.fuse import transformed_tensor, verify_transformed
+from mergeflow.export.progress import WRITE_PROGRESS
 from mergeflow.export.readback import FollowingReadBack, read_exact
 from mergeflow.export.reconstruct import (
     RankStates,
@@ -32,13 +24,25 @@ from mergeflow.export.reconstruct import (
     verified_chunks,
     verify_round_trip,
 )
+from mergeflow.formats.manifest import fingerprint
+from mergeflow.formats.safetensors_format import (
+    DTYPES,
+    HeaderEntry,
+    build_header,
+    nbytes,
+    read_header,
+    torch_dtype,
+)
+from mergeflow.io.config_paths import strip_local_paths
+from mergeflow.io.fs import FileStamp, sha256_file
+from mergeflow.io.jsonfiles import write_bytes_durable, write_json_durable
+from mergeflow.io.staging import file_stamp
+from mergeflow.io.streamio import BackgroundFlush, HashingWriter
+from mergeflow.lora.fuse import transformed_tensor, verify_transformed
+from mergeflow.records import OutputPlan, ShardPlan, ShardRecord, TensorWrite
 
 WRITE_BLOCK = 16 * 1024 * 1024
 HEADER_METADATA = {"format": "pt"}
-
-# Callbacks (bytes, tensors) for a progress display in the same process; empty by default.
-PROGRESS_HOOKS: list[Callable[[int, int], None]] = []
-
 
 def shard_file_name(weights_name: str, index: int, count: int) -> str:
     if count == 1:
@@ -145,7 +149,7 @@ def _write_shard_file(shard: ShardPlan, states: RankStates, artifact_dir: Path, 
     return record
 
 
-def _stream_shard(fd: int, header: bytes, entries: dict[str, Any], ordered: list[TensorWrite], states: RankStates,
+def _stream_shard(fd: int, header: bytes, entries: dict[str, HeaderEntry], ordered: list[TensorWrite], states: RankStates,
                   follow: FollowingReadBack, flush: BackgroundFlush) -> str:
     """Write the header and every tensor's bytes in file order; returns the sha256 of the stream.
 
@@ -176,8 +180,7 @@ def _stream_shard(fd: int, header: bytes, entries: dict[str, Any], ordered: list
                 follow.submit(tw)
             elif cast_pieces:
                 follow.submit(tw, list(pieces))
-            for hook in PROGRESS_HOOKS:
-                hook(written, 1)
+            WRITE_PROGRESS.report(written, 1)
         return writer.hexdigest()
     finally:
         writer.close()
@@ -262,22 +265,16 @@ def _reusable(record_path: Path, final: Path, shard: ShardPlan) -> ShardRecord |
                        plan_fingerprint=recorded[3], verified_stamp=stamp)
 
 
-PATH_KEYS = ("_name_or_path", "name_or_path")
+def write_component_config(src: Path, dst: Path, base_dir: str) -> tuple[bytes, list[str]]:
+    """Write the trained component's config.json by the rule every copied config follows
+    (`strip_local_paths`: local-path keys removed, key order kept); returns (bytes, removed keys).
 
-
-def write_component_config(src: Path, dst: Path) -> tuple[bytes, list[str]]:
-    """Copy a config.json, dropping keys that would leak a local path; returns (bytes, removed keys)."""
-    raw = src.read_bytes()
-    data = json.loads(raw)
-    removed = [k for k in PATH_KEYS if k in data]
-    if removed:
-        for key in removed:
-            del data[key]
-        # Diffusers' own save_config format, so the file reads like any saved model's.
-        raw = (json.dumps(data, indent=2, sort_keys=True) + "\n").encode("utf-8")
+    `base_dir` ("" when the base is only a Hub name) is the base's directory: a config that
+    still names it after the removal is refused rather than published.
+    """
+    rel = src.relative_to(base_dir).as_posix() if base_dir and src.is_relative_to(base_dir) else src.name
+    raw, removed = strip_local_paths(rel, src.read_bytes(), base_dir)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    from mergeflow.io.jsonfiles import write_bytes_durable
-
     write_bytes_durable(dst, raw)
     return raw, removed
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
+from mergeflow.errors import ArtifactInvalidError, InputChangedError
 from mergeflow.export.artifact_check import manifest_relpath, validate_artifact_dir
-from mergeflow.errors import InputChangedError, ArtifactInvalidError
 from mergeflow.io.fs import FileStamp, sha256_file
+from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.records import MergePlan, ValidationReport, VerifiedFile
 
 
@@ -23,9 +23,12 @@ def check_inputs_unchanged(plan: MergePlan) -> None:
             raise InputChangedError(f"input {Path(path).name} changed during the export; rerun once it is stable")
 
 
-def check_loadable(plan: MergePlan, tensors: dict[str, Any]) -> None:
+def check_loadable(plan: MergePlan, tensors: JsonObject) -> None:
     """What from_pretrained needs: the staged config builds the class with exactly these tensors."""
-    from mergeflow.architectures.schema import model_schema, read_model_config  # diffusers, unless the schema is cached
+    from mergeflow.architectures.schema import (  # diffusers, unless the schema is cached
+        model_schema,
+        read_model_config,
+    )
 
     if plan.output.artifact_type != "diffusers_transformer" and plan.output.tensor_directory == ".":
         return
@@ -40,7 +43,7 @@ def check_loadable(plan: MergePlan, tensors: dict[str, Any]) -> None:
         raise ArtifactInvalidError("the staged weights do not match what the staged config builds")
 
 
-def validate_staged(plan: MergePlan, manifest: dict[str, Any],
+def validate_staged(plan: MergePlan, manifest: JsonObject,
                     verified: Mapping[str, VerifiedFile] | None = None) -> ValidationReport:
     """Layer 4 on the staging tree: inputs unchanged, loadable, and everything `test` checks.
 

@@ -9,20 +9,24 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import torch
 
-from mergeflow.architectures.adapters import BaseWeights, check_base_headers, diffusers_schema
+from mergeflow.architectures.adapters import (
+    BaseWeights,
+    check_base_headers,
+    diffusers_schema,
+)
+from mergeflow.architectures.contract import check_pipeline_contract
 from mergeflow.architectures.registry import BaseLayout, weights_name_for
+from mergeflow.architectures.schema import read_model_config
 from mergeflow.config import ModelMergerConfig
 from mergeflow.errors import BaseModelError
-from mergeflow.formats.weight_index import read_stored_tensor, read_weight_headers
-from mergeflow.io.fs import FileStamp, sha256_file
 from mergeflow.formats.manifest import ArtifactType
+from mergeflow.formats.weight_index import read_weight_headers
+from mergeflow.io.config_paths import strip_local_paths
+from mergeflow.io.fs import FileStamp, sha256_file
+from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.records import Conversion
-from mergeflow.architectures.contract import check_pipeline_contract
-from mergeflow.architectures.schema import base_weight_headers, read_model_config
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 
@@ -45,11 +49,13 @@ class TargetSchema:
     conversion: Conversion = field(default_factory=Conversion)
 
 
-def transformer_target(base: Path, layout: BaseLayout, actor_config: dict[str, Any]) -> TargetSchema:
+def transformer_target(base: Path, layout: BaseLayout, actor_config: JsonObject) -> TargetSchema:
     """`--output_format transformer`: config.json and weights at the artifact root."""
     component_dir = layout.transformer_dir
     config_path = component_dir / "config.json"
     base_config = read_model_config(config_path, BaseModelError, f"{config_path.relative_to(base)} of the base")
+    # Written at publish by the rule of every copied config: a local path it would keep is refused now.
+    strip_local_paths(str(config_path.relative_to(base)), config_path.read_bytes(), str(base))
     schema = diffusers_schema(actor_config, base_config)
     headers = read_weight_headers(component_dir, WEIGHTS_NAME, BaseModelError, "the base")
     check_base_headers(headers, schema.tensors, schema.class_name)
@@ -62,15 +68,6 @@ def transformer_target(base: Path, layout: BaseLayout, actor_config: dict[str, A
     )
 
 
-def stored_tensor(component_dir: Path, weights_name: str, key: str) -> torch.Tensor | None:
-    """One tensor of a base's weights, or None when absent (the one weight reader, with the base's error).
-
-    Kept for `architectures.minimax_h3`, which imports it; new code calls
-    `mergeflow.formats.weight_index.read_stored_tensor`.
-    """
-    return read_stored_tensor(component_dir, weights_name, key, BaseModelError, "the base")
-
-
 def hash_base_files(base: Path, files: tuple[str, ...], workers: int) -> dict[str, str]:
     """sha256 of every base file, largest first across a few threads (hashlib releases the GIL)."""
     ordered = sorted(files, key=lambda rel: -(base / rel).stat().st_size)
@@ -79,7 +76,7 @@ def hash_base_files(base: Path, files: tuple[str, ...], workers: int) -> dict[st
     return dict(sorted(digests.items()))
 
 
-def pipeline_target(config: ModelMergerConfig, base: Path, actor_config: dict[str, Any]) -> TargetSchema:
+def pipeline_target(config: ModelMergerConfig, base: Path, actor_config: JsonObject) -> TargetSchema:
     """`--output_format pipeline`: the contract, the trained component's schema, every base file hashed."""
     contract = check_pipeline_contract(base, component=config.component, trust_remote_code=config.trust_remote_code)
     arch = contract.architecture
@@ -88,7 +85,7 @@ def pipeline_target(config: ModelMergerConfig, base: Path, actor_config: dict[st
     assert spec is not None  # the contract checked the trained component
     weights_name = weights_name_for(spec, contract.components[config.component][0])
     base_config = read_model_config(component_dir / "config.json", BaseModelError, f"{config.component}/config.json of the base")
-    weights = BaseWeights(str(component_dir), weights_name, base_weight_headers(component_dir, weights_name=weights_name))
+    weights = BaseWeights(str(component_dir), weights_name, read_weight_headers(component_dir, weights_name, BaseModelError, "the base"))
     trained = arch.adapter.trained_schema(actor_config, base_config, weights, qkv_layout=config.qkv_layout,
                                           what=config.component)
     conversion = Conversion(adapter=trained.adapter, adapter_params=trained.adapter_params,

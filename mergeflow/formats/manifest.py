@@ -8,8 +8,9 @@ from importlib import metadata
 from typing import Any, Literal, get_args
 
 from mergeflow.errors import ArtifactInvalidError
-from mergeflow.io.paths import check_relative_name
 from mergeflow.formats.safetensors_format import DTYPES
+from mergeflow.io.jsonfiles import JsonObject
+from mergeflow.io.paths import check_relative_name
 
 MANIFEST_NAME = "merge_manifest.json"
 SCHEMA_VERSION = 1
@@ -60,14 +61,14 @@ def _is_sha256(value: object) -> bool:
     return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 
-def _check_digest_map(name: str, value: dict[str, Any]) -> None:
+def _check_digest_map(name: str, value: JsonObject) -> None:
     for rel, digest in value.items():
         check_relative_name(rel, f"manifest {name}")
         if not _is_sha256(digest):
             raise ArtifactInvalidError(f"manifest {name}[{rel!r}] is not a sha256 hex digest")
 
 
-def check_manifest(data: Any) -> dict[str, Any]:
+def check_manifest(data: Any) -> JsonObject:
     """Schema and types of a manifest; returns it unchanged when valid."""
     if not isinstance(data, dict):
         raise ArtifactInvalidError("merge_manifest.json is not a JSON object")

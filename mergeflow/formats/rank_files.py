@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from mergeflow.formats import rank_pickle
 from mergeflow.errors import CheckpointError, ShardLayoutError, UnsafeCheckpointError
-from mergeflow.formats.rank_pickle import NotFastReadable, ShardedValue
+from mergeflow.formats import rank_pickle
+from mergeflow.formats.rank_pickle import NotFastReadable, ShardedValue, StateDict
 
 # Mesh dimensions that mean tensor/context/expert/pipeline parallelism: their shards are not
 # torch.chunk pieces of one global tensor along a single dimension.
@@ -25,7 +25,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def load_rank_state(path: Path, *, trust_checkpoint: bool = False) -> dict[str, Any]:
+def load_rank_state(path: Path, *, trust_checkpoint: bool = False) -> StateDict:
     """Load a rank file safely (mmap); full unpickling only if trusted.
 
     The closed fast reader (`rank_pickle`) reads standard DTensor files; anything it does not
@@ -41,7 +41,7 @@ def load_rank_state(path: Path, *, trust_checkpoint: bool = False) -> dict[str, 
     return state
 
 
-def _load_safe(path: Path, trust_checkpoint: bool) -> dict[str, Any]:
+def _load_safe(path: Path, trust_checkpoint: bool) -> StateDict:
     """torch's own safe loader (mmap, weights_only); full unpickling only if trusted."""
     import torch.distributed.tensor  # noqa: F401  (registers DTensor as a safe global for weights_only)
 
@@ -134,7 +134,7 @@ def _mesh_shape(value: Any, key: str, file_name: str) -> tuple[int, ...]:
     return shape
 
 
-def describe_state(state: dict[str, Any], file_name: str) -> dict[str, TensorEntry]:
+def describe_state(state: StateDict, file_name: str) -> dict[str, TensorEntry]:
     """Metadata of every tensor in a loaded rank file; refuses values that are not tensors."""
     entries: dict[str, TensorEntry] = {}
     for key, value in state.items():

@@ -28,6 +28,10 @@ from typing import Any
 
 import torch
 
+# A rank file's state dict: key -> tensor (a DTensor, a local tensor or a fast-read sharded value),
+# or whatever else training saved beside the weights (checked by the caller).
+StateDict = dict[str, Any]
+
 
 class NotFastReadable(Exception):
     """The file holds something outside the closed table: read it with torch's safe loader."""
@@ -187,7 +191,7 @@ def _rebuild_wrapper_subclass(cls: Any, dtype: Any, size: Any, stride: Any, stor
     return _Wrapper(dtype=dtype, size=torch.Size(size))
 
 
-def _object_state(state: Any) -> dict[str, Any]:
+def _object_state(state: Any) -> StateDict:
     """torch's `_set_obj_state` input: a dict, or (dict or None, slot dict) for a class with __slots__."""
     if isinstance(state, dict):
         return state
@@ -277,7 +281,7 @@ class _ClosedUnpickler(pickle.Unpickler):
         return self._storage_of(str(key), storage_type.dtype, int(numel))
 
 
-def read_rank_file(path: Path) -> dict[str, Any]:
+def read_rank_file(path: Path) -> StateDict:
     """The state dict of one rank file, values `ShardedValue` or plain tensors viewing the mmapped file.
 
     Raises NotFastReadable for anything outside the closed table (the caller then uses torch's loader).
@@ -290,7 +294,7 @@ def read_rank_file(path: Path) -> dict[str, Any]:
         raise NotFastReadable(f"{type(exc).__name__}: {exc}") from None
 
 
-def _read(path: Path) -> dict[str, Any]:
+def _read(path: Path) -> StateDict:
     reader = torch._C.PyTorchFileReader(str(path))
     if reader.has_record("byteorder") and reader.get_record("byteorder") != b"little":
         raise NotFastReadable("a big-endian archive")

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mergeflow.errors import ArtifactInvalidError
+from mergeflow.io.jsonfiles import parse_json_strict
 
 if TYPE_CHECKING:  # torch only where tensors are made: `mergeflow test` reads headers without it
     import torch
@@ -82,10 +83,8 @@ def read_header(path: Path) -> tuple[dict[str, HeaderEntry], dict[str, str], int
         if length > MAX_HEADER or 8 + length > size:
             raise ArtifactInvalidError(f"{path.name}: safetensors header length {length} is invalid")
         raw = handle.read(length)
-    try:
-        header = json.loads(raw)
-    except ValueError as exc:
-        raise ArtifactInvalidError(f"{path.name}: safetensors header is not JSON ({exc})") from None
+    # Strict: with a tensor named twice, Python keeps the last entry and other readers may keep the first.
+    header = parse_json_strict(raw, ArtifactInvalidError, f"{path.name}: safetensors header")
     if not isinstance(header, dict):
         raise ArtifactInvalidError(f"{path.name}: safetensors header is not an object")
     metadata = header.pop("__metadata__", {}) or {}

@@ -26,7 +26,12 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
-from mergeflow.errors import MergeflowError, UploadAuthError, UploadError, UploadTransientError
+from mergeflow.errors import (
+    MergeflowError,
+    UploadAuthError,
+    UploadError,
+    UploadTransientError,
+)
 
 logger = logging.getLogger(__name__)
 

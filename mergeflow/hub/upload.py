@@ -11,7 +11,6 @@ downloading and hashing them. The local artifact is only ever read.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import re
@@ -25,12 +24,18 @@ from urllib.parse import urlsplit, urlunsplit
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, get_token
 from huggingface_hub.hf_api import CommitInfo, RepoFile
 
-from mergeflow.errors import PathSafetyError, UploadError, UploadVerificationError, ArtifactInvalidError
-from mergeflow.io.fs import sha256_file
-from mergeflow.lora.artifact import adapter_only_root
+from mergeflow.errors import (
+    ArtifactInvalidError,
+    PathSafetyError,
+    UploadError,
+    UploadVerificationError,
+)
 from mergeflow.formats.manifest import MANIFEST_NAME
-from mergeflow.io.paths import check_relative_name
 from mergeflow.hub.retry import call_with_retries
+from mergeflow.io.fs import sha256_file
+from mergeflow.io.jsonfiles import JsonObject, read_json_strict
+from mergeflow.io.paths import check_relative_name
+from mergeflow.lora.artifact import adapter_only_root
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +56,7 @@ class UploadRecord:
     bytes_verified: int
     private: bool
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """The record as a JSON-serialisable dict."""
         return asdict(self)
 
@@ -89,10 +94,7 @@ def read_artifact_files(artifact_dir: Path) -> ArtifactFiles:
     manifest_path = root / MANIFEST_NAME
     if manifest_path.is_symlink() or not manifest_path.is_file():
         raise UploadError(f"Cannot upload {root}: {MANIFEST_NAME} is missing; only published mergeflow artifacts can be uploaded.")
-    try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UploadError(f"Cannot upload {root}: {MANIFEST_NAME} is not readable JSON ({exc}).") from None
+    manifest = read_json_strict(manifest_path, UploadError, f"Cannot upload {root}: {MANIFEST_NAME}")
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict) or not files:
         raise UploadError(f"Cannot upload {root}: {MANIFEST_NAME} has no `files` table.")

@@ -3,16 +3,17 @@
 Only small JSON configs are touched (`*config.json`, the pipeline indexes,
 `special_tokens_map.json`); vocabularies such as `tokenizer.json` are data and stay byte for byte.
 A config is rewritten only when something is removed, keeping its key order, and every removal
-is returned so that the manifest can record it.
+is returned so that the manifest can record it. The one rule for every config an artifact holds:
+the copied ones and the trained component's own config.json (`shard_writer.write_component_config`).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import PurePosixPath
-from typing import Any
 
 from mergeflow.errors import BaseModelError
+from mergeflow.io.jsonfiles import JsonObject, parse_json_strict
 
 PATH_KEYS = ("_name_or_path", "name_or_path")
 _INDEXES = ("model_index.json", "modular_model_index.json")
@@ -34,7 +35,7 @@ def is_local_path(value: object) -> bool:
     return value.startswith(("/", "~", "\\")) or (len(value) > 2 and value[1] == ":" and value[2] in "\\/")
 
 
-def _strip(data: dict[str, Any], file_name: str) -> list[str]:
+def _strip(data: JsonObject, file_name: str) -> list[str]:
     removed = [key for key in PATH_KEYS if key in data]
     # Tokenizer configs saved by older transformers name their files by absolute path; transformers
     # prefers such a value over the file in the folder, so it would break the artifact elsewhere.
@@ -54,10 +55,7 @@ def _strip(data: dict[str, Any], file_name: str) -> list[str]:
 
 def strip_local_paths(rel_path: str, raw: bytes, base_dir: str) -> tuple[bytes, list[str]]:
     """The config's bytes with local-path keys removed (unchanged bytes when there are none), and those keys."""
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise BaseModelError(f"{rel_path} of the base is not valid JSON ({exc}); the base is damaged") from None
+    data = parse_json_strict(raw, BaseModelError, f"{rel_path} of the base")
     if not isinstance(data, dict):
         raise BaseModelError(f"{rel_path} of the base must be a JSON object")
     removed = _strip(data, PurePosixPath(rel_path).name)

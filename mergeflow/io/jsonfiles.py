@@ -9,12 +9,17 @@ from typing import Any
 
 from mergeflow.errors import MergeflowError
 
+# A JSON object as read from or written to a file (a config, an index, a manifest, an event
+# payload, a command's JSON result). Its schema is its file format's, checked where it is read;
+# records (mergeflow.records) carry everything mergeflow decides itself.
+JsonObject = dict[str, Any]
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> JsonObject:
+    out: JsonObject = {}
     for key, value in pairs:
         if key in out:
-            raise ValueError(f"duplicate key {key!r}")
+            raise ValueError(f"duplicate key {key!r}; write each key once")
         out[key] = value
     return out
 
@@ -27,9 +32,26 @@ def read_json_strict(path: Path, error: type[MergeflowError], what: str) -> Any:
         raise error(f"{what} is missing: expected {path.name} in {path.parent.name}/") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise error(f"{what} cannot be read ({exc.__class__.__name__}: {exc})") from None
+    return parse_json_strict(text, error, what)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a valid JSON number")
+
+
+def parse_json_strict(raw: str | bytes, error: type[MergeflowError], what: str, *, finite: bool = False) -> Any:
+    """Parse JSON held in memory (a file's bytes, a header field), raising `error` naming `what` on any defect.
+
+    The one strict rule of `read_json_strict`: a duplicate key is an error (Python would keep the
+    last value silently, other readers may keep the first). Bytes must be UTF-8, as JSON requires.
+    `finite=True` also refuses NaN and +-Infinity, which Python's json accepts but JSON has not:
+    for files of numbers that must be real (LoRA hyper-parameters). Configs are read without it,
+    because Diffusers itself writes -Infinity into real scheduler configs (`lambda_min_clipped`).
+    """
     try:
-        return json.loads(text, object_pairs_hook=_no_duplicates)
-    except ValueError as exc:
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant if finite else None)
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, a duplicate key, a non-finite constant
         raise error(f"{what} is not valid JSON: {exc}") from None
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from mergeflow.export.layout import TensorLayout, plan_layouts
 from mergeflow.export.publish import build_manifest
@@ -14,7 +13,7 @@ from mergeflow.export.shard_writer import HEADER_METADATA, write_shard_file
 from mergeflow.formats.manifest import MANIFEST_NAME, fingerprint
 from mergeflow.formats.safetensors_format import nbytes
 from mergeflow.io.fs import sha256_file
-from mergeflow.io.jsonfiles import write_bytes_durable, write_json_durable
+from mergeflow.io.jsonfiles import JsonObject, write_bytes_durable, write_json_durable
 from mergeflow.lora.artifact import ADAPTER_DIR
 from mergeflow.lora.detect import adapter_weights_name
 from mergeflow.lora.export import (
@@ -51,7 +50,7 @@ class AdapterExport:
     """A written, verified adapter directory: its files (relative to the artifact root) and manifest."""
 
     files: tuple[FileRecord, ...]
-    manifest: dict[str, Any]
+    manifest: JsonObject
     shard: ShardRecord
 
 
@@ -78,7 +77,7 @@ def _adapter_shard(plan: MergePlan, lora: LoraPlan, indexes: list[RankIndex]) ->
 
 
 def _adapter_manifest(plan: MergePlan, lora: LoraPlan, rank_digests: dict[str, str], shard: ShardRecord,
-                      files: list[FileRecord]) -> dict[str, Any]:
+                      files: list[FileRecord]) -> JsonObject:
     spec = plan.lora
     # The adapter directory is an artifact of its own: tensors at its root, its own file list.
     own = replace(plan, output=replace(plan.output, artifact_type="peft_adapter", tensor_directory="."))

@@ -8,12 +8,12 @@ manifest: its target holds `lora_adapter/` and nothing else.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
-from mergeflow.errors import LoraError, ArtifactInvalidError
-from mergeflow.io.jsonfiles import read_json_strict
+from mergeflow.errors import ArtifactInvalidError, LoraError
+from mergeflow.formats.manifest import MANIFEST_NAME
+from mergeflow.formats.safetensors_format import read_header
+from mergeflow.io.jsonfiles import JsonObject, parse_json_strict, read_json_strict
 from mergeflow.lora.config import settings_from_config_dict
 from mergeflow.lora.export import (
     DIFFUSERS_LORA_WEIGHTS_NAME,
@@ -22,8 +22,6 @@ from mergeflow.lora.export import (
     PEFT_ADAPTER_WEIGHTS_NAME,
 )
 from mergeflow.lora.keys import PEFT_PREFIX
-from mergeflow.formats.manifest import MANIFEST_NAME
-from mergeflow.formats.safetensors_format import read_header
 
 ADAPTER_DIR = "lora_adapter"
 ADAPTER_MANIFEST = f"{ADAPTER_DIR}/{MANIFEST_NAME}"
@@ -43,14 +41,14 @@ def adapter_only_root(root: Path) -> Path | None:
     return inner
 
 
-def _adapter_record(manifest: dict[str, Any]) -> dict[str, Any]:
+def _adapter_record(manifest: JsonObject) -> JsonObject:
     record = manifest.get("lora_adapter")
     if not isinstance(record, dict) or record.get("format") not in _WEIGHTS:
         raise ArtifactInvalidError("a peft_adapter manifest needs lora_adapter.format 'peft' or 'diffusers'")
     return record
 
 
-def _check_config(root: Path, record: dict[str, Any]) -> None:
+def _check_config(root: Path, record: JsonObject) -> None:
     data = read_json_strict(root / PEFT_ADAPTER_CONFIG_NAME, ArtifactInvalidError, PEFT_ADAPTER_CONFIG_NAME)
     if not isinstance(data, dict):
         raise ArtifactInvalidError(f"{PEFT_ADAPTER_CONFIG_NAME} must hold a JSON object")
@@ -70,16 +68,14 @@ def _check_metadata(file_name: str, metadata: dict[str, str], adapter_format: st
         raise ArtifactInvalidError(f"{file_name}: header metadata lacks format 'pt'")
     if adapter_format != "diffusers":
         return
-    try:
-        packed = json.loads(metadata.get(DIFFUSERS_METADATA_KEY, ""))
-    except ValueError:
-        packed = None
+    raw = metadata.get(DIFFUSERS_METADATA_KEY)
+    packed = parse_json_strict(raw, ArtifactInvalidError, f"{file_name}: header {DIFFUSERS_METADATA_KEY}") if isinstance(raw, str) and raw else None
     if not isinstance(packed, dict) or not packed:
         # Without it Diffusers silently takes lora_alpha = r (SPEC section 4).
         raise ArtifactInvalidError(f"{file_name}: header lacks a valid {DIFFUSERS_METADATA_KEY}")
 
 
-def check_adapter_weights(root: Path, manifest: dict[str, Any]) -> int:
+def check_adapter_weights(root: Path, manifest: JsonObject) -> int:
     """The adapter's config and weight file agree with its manifest; returns the tensor count."""
     record = _adapter_record(manifest)
     adapter_format = record["format"]

@@ -9,7 +9,6 @@ dict order) wins.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from mergeflow.errors import LoraError
+from mergeflow.io.jsonfiles import JsonObject, parse_json_strict
 from mergeflow.lora.keys import AdapterModuleKeys
 
 TRAIN_META_NAME = "lora_train_meta.json"
@@ -77,22 +77,9 @@ class AdapterSettings:
         return cls(r=meta.r, lora_alpha=meta.lora_alpha)
 
 
-def _strict_object(text: str | bytes, what: str) -> dict[str, Any]:
-    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        seen: dict[str, Any] = {}
-        for key, value in pairs:
-            if key in seen:
-                raise LoraError(f"{what}: key {key!r} appears twice; fix the file so each key is written once")
-            seen[key] = value
-        return seen
-
-    def no_constant(name: str) -> Any:
-        raise LoraError(f"{what}: {name} is not a valid JSON number")
-
-    try:
-        data = json.loads(text, object_pairs_hook=no_duplicates, parse_constant=no_constant)
-    except ValueError as exc:  # includes JSONDecodeError and UnicodeDecodeError
-        raise LoraError(f"{what} is not valid JSON ({exc})") from exc
+def _strict_object(text: str | bytes, what: str) -> JsonObject:
+    # finite: a NaN or Infinity is never a hyper-parameter (and PEFT would compute with it).
+    data = parse_json_strict(text, LoraError, what, finite=True)
     if not isinstance(data, dict):
         raise LoraError(f"{what} must hold a JSON object, found {type(data).__name__}")
     return data
@@ -136,10 +123,10 @@ def load_train_meta(path: Path) -> LoraTrainMeta:
     return parse_train_meta(Path(path).read_bytes(), what=str(path))
 
 
-def _lora_config_defaults() -> dict[str, Any]:
+def _lora_config_defaults() -> JsonObject:
     from peft import LoraConfig
 
-    defaults: dict[str, Any] = {}
+    defaults: JsonObject = {}
     for item in dataclasses.fields(LoraConfig):
         if item.default is not dataclasses.MISSING:
             defaults[item.name] = item.default
@@ -148,7 +135,7 @@ def _lora_config_defaults() -> dict[str, Any]:
     return defaults
 
 
-def _pattern(value: Any, name: str, what: str, number: Any) -> dict[str, Any]:
+def _pattern(value: Any, name: str, what: str, number: Any) -> JsonObject:
     if value is None:
         return {}
     if not isinstance(value, dict):
@@ -314,7 +301,7 @@ def peft_adapter_config(
     target_modules: Iterable[str],
     base_model_name_or_path: str | None,
     modules_to_save: Iterable[str] | None = None,
-) -> dict[str, Any]:
+) -> JsonObject:
     """A genuine PEFT LoraConfig dict (JSON-ready, sets sorted, task_type null) for an exported adapter."""
     from peft import LoraConfig
 

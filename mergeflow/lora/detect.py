@@ -10,21 +10,30 @@ from pathlib import Path
 from typing import Any
 
 from mergeflow.architectures.registry import BaseLayout, adapter_of, detect_base
-from mergeflow.formats.verl_checkpoint import LORA_META, read_fsdp_config, rank_file_names
-from mergeflow.formats.weight_index import read_weight_map
+from mergeflow.architectures.schema import model_schema, read_model_config
 from mergeflow.config import ModelMergerConfig
 from mergeflow.errors import BaseModelError, CheckpointError, LoraError, UsageError
+from mergeflow.export.reconstruct import RankStates
+from mergeflow.export.targets import TargetSchema, diffusers_schema
+from mergeflow.formats.verl_checkpoint import (
+    LORA_META,
+    rank_file_names,
+    read_fsdp_config,
+)
+from mergeflow.formats.weight_index import read_weight_map
 from mergeflow.io.fs import FileStamp, sha256_file
-from mergeflow.io.jsonfiles import read_json_strict
-from mergeflow.lora.config import ADAPTER_CONFIG_NAME, AdapterSettings, load_adapter_settings, load_train_meta
+from mergeflow.io.jsonfiles import JsonObject, read_json_strict
+from mergeflow.io.paths import check_no_overlap, check_target
+from mergeflow.lora.config import (
+    ADAPTER_CONFIG_NAME,
+    AdapterSettings,
+    load_adapter_settings,
+    load_train_meta,
+)
 from mergeflow.lora.export import DIFFUSERS_LORA_WEIGHTS_NAME, PEFT_ADAPTER_WEIGHTS_NAME
 from mergeflow.lora.keys import LoraLayout, classify, group_adapters, require_adapter
 from mergeflow.lora.plan import FULL_STATE, LORA_ONLY, LoraSpec, base_model_reference
-from mergeflow.io.paths import check_no_overlap, check_target
 from mergeflow.records import BaseInputs
-from mergeflow.architectures.schema import model_schema, read_model_config
-from mergeflow.export.reconstruct import RankStates
-from mergeflow.export.targets import TargetSchema, diffusers_schema
 
 
 def adapter_weights_name(adapter_format: str) -> str:
@@ -189,7 +198,7 @@ def resolve_adapter_inputs(config: ModelMergerConfig) -> dict[str, Path]:
 
 
 def adapter_target(config: ModelMergerConfig, spec: LoraSpec, base: Path | None,
-                   actor_config: dict[str, Any]) -> tuple[TargetSchema, BaseInputs, LoraSpec]:
+                   actor_config: JsonObject) -> tuple[TargetSchema, BaseInputs, LoraSpec]:
     """What a LoRA-only save's adapter export writes, with the base it names (checked when local)."""
     base_files: dict[str, str] = {}
     if base is not None:

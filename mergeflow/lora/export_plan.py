@@ -3,23 +3,18 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from mergeflow.errors import BaseModelError, LoraError
 from mergeflow.export.layout import TensorLayout, plan_layouts
 from mergeflow.export.reconstruct import check_coverage, output_dtype
 from mergeflow.formats.weight_index import read_weight_headers
+from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.lora.config import peft_adapter_config
 from mergeflow.lora.export import (
     diffusers_lora_keys,
     peft_adapter_keys,
-)
-from mergeflow.lora.fuse import (
-    BASE_COPY,
-    LORA_FUSE,
-    base_model_source,
-    checkpoint_source,
 )
 from mergeflow.lora.keys import (
     base_state_keys,
@@ -35,9 +30,14 @@ from mergeflow.lora.plan import (
     validate_all_adapters,
 )
 from mergeflow.records import (
+    BaseCopy,
+    BaseModelSource,
+    CheckpointSource,
+    LoraFuse,
     MergePlan,
     RankIndex,
     TensorWrite,
+    Transform,
 )
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
@@ -65,7 +65,7 @@ def plan_lora_export(plan: MergePlan, indexes: list[RankIndex]) -> LoraPlan:
     selected = grouped[spec.adapter_name]
     saved = saved_modules(keys).get(spec.adapter_name, {})
     adapter_keys: dict[str, str] = {}
-    config: dict[str, Any] | None = None
+    config: JsonObject | None = None
     if not spec.fuse:
         config = peft_adapter_config(settings, target_modules(selected), spec.base_model_name_or_path, saved or None)
         if spec.adapter_format == "diffusers":
@@ -94,21 +94,19 @@ def plan_lora_export(plan: MergePlan, indexes: list[RankIndex]) -> LoraPlan:
     )
 
 
-def _fusion_transforms(lora: LoraPlan, source: Any) -> dict[str, dict[str, Any]]:
-    """Output tensor name -> lora_fuse transform, for the fused weight (and bias) of every module."""
-    transforms: dict[str, dict[str, Any]] = {}
+def _fusion_transforms(lora: LoraPlan, layouts: dict[str, TensorLayout]) -> dict[str, LoraFuse]:
+    """Output tensor name -> its fusion, for the fused weight (and bias) of every module (base set later)."""
+    transforms: dict[str, LoraFuse] = {}
     for module in lora.modules:
-        parts = {kind: source(key) for kind, key in module.sources.items()}
-        common = {"op": LORA_FUSE, "module": module.module, "scaling": module.scaling, "rank": module.rank}
-        transforms[f"{module.module}.weight"] = {
-            **common, "param": "weight", "lora_A": parts["lora_A"], "lora_B": parts["lora_B"],
-            "lora_magnitude_vector": parts.get("lora_magnitude_vector"), "lora_B_bias": None,
-        }
+        parts = {kind: CheckpointSource(layouts[key]) for kind, key in module.sources.items()}
+        transforms[f"{module.module}.weight"] = LoraFuse(
+            "weight", module.module, module.scaling, module.rank, lora_A=parts["lora_A"], lora_B=parts["lora_B"],
+            lora_magnitude_vector=parts.get("lora_magnitude_vector"),
+        )
         if "lora_B_bias" in parts:
-            transforms[f"{module.module}.bias"] = {
-                **common, "param": "bias", "lora_A": None, "lora_B": None,
-                "lora_magnitude_vector": None, "lora_B_bias": parts["lora_B_bias"],
-            }
+            transforms[f"{module.module}.bias"] = LoraFuse(
+                "bias", module.module, module.scaling, module.rank, lora_B_bias=parts["lora_B_bias"],
+            )
     return transforms
 
 
@@ -118,10 +116,7 @@ def lora_tensor_writes(plan: MergePlan, lora: LoraPlan, indexes: list[RankIndex]
     layouts = _layouts(indexes)
     policy, keep = plan.options.dtype, plan.output.keep_fp32
 
-    def checkpoint(key: str) -> dict[str, Any]:
-        return checkpoint_source(layouts[key])
-
-    transforms = _fusion_transforms(lora, checkpoint) if lora.fuse else {}
+    transforms = _fusion_transforms(lora, layouts) if lora.fuse else {}
     writes = []
     if lora.layout == FULL_STATE:
         mapping = base_state_keys(layouts)
@@ -130,9 +125,8 @@ def lora_tensor_writes(plan: MergePlan, lora: LoraPlan, indexes: list[RankIndex]
         for name, src in sorted(mapping.items()):
             layout = layouts[src]
             out = output_dtype(name, layout.dtype, policy, keep)
-            transform = transforms.get(name)
-            if transform is not None:
-                transform = {**transform, "base": checkpoint_source(layout)}
+            fusion = transforms.get(name)
+            transform = replace(fusion, base=CheckpointSource(layout)) if fusion is not None else None
             writes.append(TensorWrite(name, src, layout, out, transform))
         return writes
     # LoRA-only fusion: every frozen weight comes from the local base's safetensors files.
@@ -143,7 +137,7 @@ def lora_tensor_writes(plan: MergePlan, lora: LoraPlan, indexes: list[RankIndex]
         raise LoraError(f"the base model has no tensor {unknown[0]} to fuse the adapter into")
     for name, (dtype, shape) in sorted(headers.items()):
         layout = TensorLayout(f"base_model:{name}", dtype, tuple(shape), None, (), (tuple(shape),))
-        base = base_model_source(component / spec.base_weight_map[name], name)
-        transform = {**transforms[name], "base": base} if name in transforms else {"op": BASE_COPY, "base": base}
+        base = BaseModelSource(str(component / spec.base_weight_map[name]), name)
+        transform: Transform = replace(transforms[name], base=base) if name in transforms else BaseCopy(base)
         writes.append(TensorWrite(name, name, layout, output_dtype(name, dtype, policy, keep), transform))
     return writes

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mergeflow.errors import LoraError, UsageError
+from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.lora.config import (
     AdapterSettings,
     LoraTrainMeta,
@@ -121,7 +122,7 @@ class LoraPlan:
     modules: tuple[ModuleLora, ...]
     saved_overrides: dict[str, str] = field(default_factory=dict)  # fused output tensor -> checkpoint key
     adapter_keys: dict[str, str] = field(default_factory=dict)  # exported adapter key -> checkpoint key
-    adapter_config: dict[str, Any] | None = None  # the exported PEFT LoraConfig dict
+    adapter_config: JsonObject | None = None  # the exported PEFT LoraConfig dict
 
     @property
     def writes_model(self) -> bool:
@@ -132,11 +133,11 @@ class LoraPlan:
     def exports_adapter(self) -> bool:
         return not self.fuse
 
-    def fusion_record(self) -> dict[str, Any] | None:
+    def fusion_record(self) -> JsonObject | None:
         """The manifest's `lora_fusion` record (None when nothing was fused)."""
         if not self.fuse:
             return None
-        record: dict[str, Any] = {
+        record: JsonObject = {
             "adapter_name": self.adapter_name,
             "r": self.r,
             "lora_alpha": self.lora_alpha,

@@ -1,0 +1,55 @@
+"""The error hierarchy: one printable line, declared fields that survive Prefect's pickling, retry flags."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from mergeflow import errors as E
+
+import mergeflow.tasks as tasks_package
+
+
+class _State:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def result(self) -> None:
+        raise self.exc
+
+
+def test_messages_are_one_printable_line() -> None:
+    exc = E.BaseModelError("class \x1b[2J\x1b[1mEvil\x1b[0m\nnext \x1b]0;title\x07line\x00")
+    assert str(exc) == "class Evil next line"
+    assert exc.message.startswith("class \x1b[2J")  # the raw text stays available to code
+
+
+def test_declared_fields_survive_pickling() -> None:
+    exc = E.ShardLayoutError("bad layout").kept_in("/tmp/.out.mergeflow-staging-1")
+    again = pickle.loads(pickle.dumps(exc))
+    assert type(again) is E.ShardLayoutError
+    assert again.staging_dir == "/tmp/.out.mergeflow-staging-1" and str(again) == "bad layout"
+    assert E.CheckpointError("x").staging_dir is None
+
+
+def test_builtin_bases_and_exit_codes() -> None:
+    full = E.DiskFullError("no space left")
+    assert isinstance(full, OSError) and isinstance(full, E.MergeflowError)
+    assert full.exit_code == 2
+    assert not issubclass(E.ArtifactInvalidError, ValueError)  # not pydantic's or the Hub's ValidationError
+
+
+@pytest.mark.parametrize(
+    ("exc", "retry"),
+    [
+        (E.CheckpointError("bad input stays bad"), False),
+        (E.DiskFullError("free space first"), False),
+        (E.UploadTransientError("the Hub had a hiccup"), True),
+        (ConnectionResetError("peer reset"), True),
+        (OSError(5, "EIO"), True),
+    ],
+)
+def test_the_retry_policy_reads_the_retryable_flag(exc: BaseException, retry: bool) -> None:
+    assert E.is_retryable(exc) is retry
+    assert tasks_package.retry_transient(None, None, _State(exc)) is retry
