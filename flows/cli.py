@@ -28,7 +28,7 @@ from mergeflow.config import (
     QKV_LAYOUTS,
     ModelMergerConfig,
 )
-from mergeflow.errors import MergeflowError
+from mergeflow.errors import MergeflowError, one_line
 from mergeflow.io.jsonfiles import JsonObject
 
 
@@ -244,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # an unexpected failure still gets one line, and a way to see more
         if debug:
             traceback.print_exc()
-        print(f"mergeflow: internal error: {type(exc).__name__}: {exc} (rerun with --debug for a traceback)", file=sys.stderr)
+        print(f"mergeflow: internal error: {type(exc).__name__}: {one_line(str(exc))} (rerun with --debug for a traceback)",
+              file=sys.stderr)
         return 1
     sys.stdout.flush()
     print(json.dumps(result))

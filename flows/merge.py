@@ -34,6 +34,7 @@ from mergeflow.io.fs import TargetLock
 from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.io.paths import check_target
 from mergeflow.io.prefetch import DigestPrefetch
+from mergeflow.io.staging import remove_partial_writes
 from mergeflow.lora.artifact import ADAPTER_DIR
 from mergeflow.records import MergePlan, ShardRecord
 
@@ -74,6 +75,9 @@ def run_export(plan: MergePlan) -> tuple[dict[str, str], JsonObject]:
     """The steps after inspection, run while the target lock is held."""
     logger = get_run_logger()
     check_target(Path(plan.output.target))  # re-checked under the lock: another export may have finished
+    left = remove_partial_writes(Path(plan.output.staging))  # a killed run's temporary files: never resumed
+    if left:
+        logger.info("Removed %d temporary file(s) a killed run left: %s", len(left), ", ".join(left[:5]))
     rank_futures = [load_rank_shards.submit(light_submit(plan), rank) for rank in range(plan.checkpoint.world_size)]
     indexes = [f.result() for f in rank_futures]
     logger.info("Indexed %d rank files of world size %d", len(indexes), plan.checkpoint.world_size)

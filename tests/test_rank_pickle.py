@@ -67,7 +67,7 @@ def test_unknown_global_is_refused_without_running_it(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
-def test_damaged_archive_falls_back_to_torch_verdict(tmp_path: Path) -> None:
+def test_a_damaged_pickle_fails_its_crc_in_the_fast_reader(tmp_path: Path) -> None:
     path = tmp_path / "model_world_size_1_rank_0.pt"
     torch.save({"w": torch.arange(4.0)}, path)
     with zipfile.ZipFile(path) as archive:
@@ -77,10 +77,37 @@ def test_damaged_archive_falls_back_to_torch_verdict(tmp_path: Path) -> None:
     raw[start + 2 : start + 6] = b"\xff\xff\xff\xff"
     path.write_bytes(bytes(raw))
     assert pickle_name
-    with pytest.raises(NotFastReadable):
+    with pytest.raises(CheckpointError, match="damaged"):  # not a fallback to torch, which reads it unchecked
         read_rank_file(path)
-    with pytest.raises((CheckpointError, UnsafeCheckpointError)):  # torch's loader gives the verdict
+    with pytest.raises(CheckpointError, match="is damaged: record .*data.pkl fails its CRC-32 check") as info:
         load_rank_state(path)
+    assert not isinstance(info.value, UnsafeCheckpointError) and "--trust-checkpoint" not in str(info.value)
+
+
+def test_a_damaged_rank_file_is_called_damaged_never_a_reason_to_trust_it(tmp_path: Path) -> None:
+    """Bytes flipped anywhere in the pickle of a real rank file: refused as damaged, naming the record."""
+    model = build_transformer("FluxTransformer2DModel", seed=0)
+    actor = save_fsdp_checkpoint(model, tmp_path / "actor", 2, write_extra_state=False)
+    path = actor / "model_world_size_2_rank_1.pt"
+    pristine = path.read_bytes()
+    with zipfile.ZipFile(path) as archive:
+        info = next(i for i in archive.infolist() if i.filename.endswith("data.pkl"))
+    # The record's bytes start after its local header (30 bytes + name + extra field).
+    name_len, extra_len = (int.from_bytes(pristine[info.header_offset + k:info.header_offset + k + 2], "little")
+                           for k in (26, 28))
+    start = info.header_offset + 30 + name_len + extra_len
+    tried = 0
+    for offset in range(start + 3, start + info.file_size - 1, max(1, info.file_size // 25)):
+        raw = bytearray(pristine)
+        raw[offset] ^= 0x5A
+        path.write_bytes(bytes(raw))
+        with pytest.raises(CheckpointError) as refused:
+            load_rank_state(path)
+        message = str(refused.value)
+        assert "damaged" in message and "data.pkl" in message, message
+        assert not isinstance(refused.value, UnsafeCheckpointError) and "--trust-checkpoint" not in message
+        tried += 1
+    assert tried >= 20
 
 
 def test_a_view_past_its_storage_is_not_read() -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from mergeflow.errors import DiskFullError, InputChangedError
 from mergeflow.io.config_paths import is_config_json, strip_local_paths
+from mergeflow.io.faults import durable_write_point
 from mergeflow.io.fs import FileStamp, is_plain_file, sha256_file
 from mergeflow.io.jsonfiles import write_bytes_durable
 from mergeflow.records import CopyResult, FileRecord, MergePlan
@@ -58,6 +59,7 @@ def _copy_bytes(src: Path, dst: Path, tmp: Path) -> None:
             os.close(fd_out)
     finally:
         os.close(fd_in)
+    durable_write_point()
     os.replace(tmp, dst)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import pickle
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,8 +50,14 @@ def _load_safe(path: Path, trust_checkpoint: bool) -> StateDict:
     try:
         state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except pickle.UnpicklingError as exc:
+        _refuse_if_damaged(path, exc)
         if "weights only" not in str(exc).lower() and "weights_only" not in str(exc).lower():
-            raise CheckpointError(f"rank file {path.name} is corrupt ({_first_line(exc)})") from None
+            raise CheckpointError(f"rank file {path.name} is damaged ({_first_line(exc)}); "
+                                  "copy it again from the training run") from None
+        unknown = unknown_global(exc)
+        if unknown is not None:  # random damage reads as a global nobody could have saved
+            raise CheckpointError(f"rank file {path.name} is damaged: its pickle names {unknown}, which does not "
+                                  "exist here; copy it again from the training run") from None
         if not trust_checkpoint:
             raise UnsafeCheckpointError(
                 f"rank file {path.name} holds objects the safe loader refuses ({_first_line(exc)}); "
@@ -58,10 +65,54 @@ def _load_safe(path: Path, trust_checkpoint: bool) -> StateDict:
             ) from None
         state = _load_trusted(path)
     except (RuntimeError, EOFError, ValueError, OSError, IndexError, KeyError) as exc:
-        raise CheckpointError(f"rank file {path.name} is truncated or corrupt ({_first_line(exc)})") from None
+        _refuse_if_damaged(path, exc)
+        raise CheckpointError(f"rank file {path.name} is truncated or damaged ({_first_line(exc)}); "
+                              "copy it again from the training run") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"rank file {path.name} holds a {type(state).__name__}, not a state dict")
     return state
+
+
+def damage_of(path: Path) -> str | None:
+    """Why a rank file is damaged, if its container says so: torch.save writes a zip archive that
+    stores a CRC-32 of every record. Read only on a refusal path (it reads the whole file)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except zipfile.BadZipFile as exc:
+        return f"it is not a readable torch.save archive ({exc})"
+    except (OSError, EOFError, ValueError) as exc:
+        return f"its archive cannot be read ({type(exc).__name__}: {exc})"
+    if bad is not None:
+        return f"record {bad} fails its CRC-32 check"
+    return None
+
+
+_GLOBAL = re.compile(r"GLOBAL ([A-Za-z_][\w.]*)\.([A-Za-z_]\w*)")
+
+
+def unknown_global(exc: BaseException) -> str | None:
+    """The refused `module.name` when no such module exists here: random damage, not a payload."""
+    import importlib.util
+
+    match = _GLOBAL.search(str(exc))
+    if match is None:
+        return None
+    module = match.group(1)
+    try:
+        found = importlib.util.find_spec(module.split(".")[0]) is not None  # top level only: nothing is imported
+    except (ImportError, ValueError):
+        found = False
+    return None if found else f"{module}.{match.group(2)}"
+
+
+def _refuse_if_damaged(path: Path, exc: BaseException) -> None:
+    damage = damage_of(path)
+    if damage is not None:
+        raise CheckpointError(f"rank file {path.name} is damaged: {damage}; copy it again from the training run "
+                              f"(the loader said {_first_line(exc)})") from None
 
 
 def _load_trusted(path: Path) -> Any:

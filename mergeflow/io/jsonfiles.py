@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 from mergeflow.errors import MergeflowError
+from mergeflow.io.faults import durable_write_point
 
 # A JSON object as read from or written to a file (a config, an index, a manifest, an event
 # payload, a command's JSON result). Its schema is its file format's, checked where it is read;
 # records (mergeflow.records) carry everything mergeflow decides itself.
 JsonObject = dict[str, Any]
+
+# Temporary files of durable writes carry this in their name, so a resume after a kill can tell
+# them from the artifact's own files and remove them.
+PARTIAL_MARKER = ".mergeflow-partial-"
+_OLD_PARTIAL = re.compile(r"^\..+\.tmp-\d+$")
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> JsonObject:
@@ -67,15 +74,28 @@ def write_json_durable(path: Path, obj: Any, *, indent: int | None = 2, sort_key
     return data
 
 
+def partial_name(path: Path) -> Path:
+    """The temporary name `path` is written under before its rename (see `is_partial_write`)."""
+    return path.with_name(f".{path.name}{PARTIAL_MARKER}{os.getpid()}")
+
+
+def is_partial_write(name: str) -> bool:
+    """A temporary file a killed writer left: ours (`.NAME.mergeflow-partial-PID`), or the old `.NAME.tmp-PID`."""
+    return name.startswith(".") and (PARTIAL_MARKER in name or _OLD_PARTIAL.match(name) is not None)
+
+
 def write_bytes_durable(path: Path, data: bytes, tmp: Path | None = None) -> None:
     """Replace `path` with `data` so that a crash leaves either the old or the new file.
 
-    `tmp` (same filesystem) keeps the half-written file out of the directory being built.
+    The bytes go to `tmp` (default: `partial_name(path)`, which a resume recognises and removes)
+    and are fsynced before the rename; `tmp` elsewhere on the same filesystem keeps the
+    half-written file out of the directory being built.
     """
-    tmp = tmp or path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = tmp or partial_name(path)
     with open(tmp, "wb") as handle:
         handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())
     os.chmod(tmp, 0o644)
+    durable_write_point()
     os.replace(tmp, path)

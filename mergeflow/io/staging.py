@@ -18,6 +18,7 @@ from pathlib import Path
 
 from mergeflow.errors import ConcurrentExportError, UsageError
 from mergeflow.io.fs import TargetLock
+from mergeflow.io.jsonfiles import is_partial_write
 from mergeflow.io.paths import STAGING_MARKER, lock_path_for
 
 # Staging dirs live directly beside targets; `serve` puts targets at <root>/<run>/global_step_N,
@@ -237,3 +238,21 @@ def staged_file_state(final: Path, record: Path) -> str:
     if current == recorded:
         return "intact"
     return f"changed:{current}:{recorded}"
+
+
+def remove_partial_writes(staging: Path) -> list[str]:
+    """Remove the temporary files killed writers left in a staging tree; their names, relative.
+
+    Run under the target lock before a resume: no writer is alive then, and every durable write
+    renames its temporary file into place, so a file with a temporary name is a crash's leftover.
+    """
+    removed: list[str] = []
+    if not staging.is_dir() or staging.is_symlink():
+        return removed
+    for folder, dirs, files in os.walk(staging, followlinks=False):
+        for name in files:
+            if is_partial_write(name):
+                path = Path(folder) / name
+                path.unlink(missing_ok=True)
+                removed.append(path.relative_to(staging).as_posix())
+    return sorted(removed)
