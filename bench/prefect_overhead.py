@@ -99,10 +99,10 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from mergeflow.flows.api import merge_model
 
     from mergeflow.config import ModelMergerConfig
     from mergeflow.demo.checkpoints import build_sized_checkpoint
+    from mergeflow.flows.api import merge_model
 
     workdir = Path(tempfile.mkdtemp(prefix="mergeflow-overhead-"))
     try:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mergeflow.config import DEFAULT_TASK_RUNNER, MergeResult, ModelMergerConfig
 from mergeflow.flows.merge import merge_flow
 from mergeflow.flows.runners import make_task_runner
 from mergeflow.flows.validate import validate_flow
-
-from mergeflow.config import DEFAULT_TASK_RUNNER, MergeResult, ModelMergerConfig
 from mergeflow.io.jsonfiles import JsonObject
 
 

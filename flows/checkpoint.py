@@ -11,8 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mergeflow.flows.merge import merge_flow
-from mergeflow.flows.runners import make_task_runner
 from prefect import flow
 from prefect.runtime import flow_run
 
@@ -25,6 +23,8 @@ from mergeflow.config import (
     ModelMergerConfig,
 )
 from mergeflow.errors import UsageError
+from mergeflow.flows.merge import merge_flow
+from mergeflow.flows.runners import make_task_runner
 from mergeflow.formats.verl_checkpoint import step_of
 from mergeflow.io.jsonfiles import JsonObject
 

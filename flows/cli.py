@@ -11,12 +11,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from mergeflow.flows.ops_cli import (
-    OPS_COMMANDS,
-    add_ops_commands,
-    add_task_runner_flags,
-)
-
 from mergeflow.config import (
     ADAPTER_FORMATS,
     DEFAULT_DTYPE,
@@ -29,6 +23,11 @@ from mergeflow.config import (
     ModelMergerConfig,
 )
 from mergeflow.errors import MergeflowError, one_line
+from mergeflow.flows.ops_cli import (
+    OPS_COMMANDS,
+    add_ops_commands,
+    add_task_runner_flags,
+)
 from mergeflow.io.jsonfiles import JsonObject
 
 

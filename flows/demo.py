@@ -6,9 +6,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mergeflow.flows.api import merge_model, validate_artifact
-
 from mergeflow.config import ModelMergerConfig
+from mergeflow.flows.api import merge_model, validate_artifact
 from mergeflow.io.jsonfiles import JsonObject
 
 

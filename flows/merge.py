@@ -5,20 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mergeflow.flows.artifacts import (
-    publish_manifest_artifacts,
-    report_progress,
-    start_progress,
-)
-from mergeflow.tasks.copy_components import copy_components
-from mergeflow.tasks.inspect_inputs import inspect_inputs
-from mergeflow.tasks.load import hash_rank, load_rank_shards
-from mergeflow.tasks.lora import plan_lora, plan_lora_writes, write_lora_adapter
-from mergeflow.tasks.publish import publish, write_metadata
-from mergeflow.tasks.reconstruct import plan_reconstruction
-from mergeflow.tasks.upload import upload_to_hub
-from mergeflow.tasks.validate import validate_staged_task
-from mergeflow.tasks.write import write_shard
 from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 from prefect.futures import PrefectFuture, as_completed
@@ -30,6 +16,11 @@ from mergeflow.config import ModelMergerConfig
 from mergeflow.errors import MergeflowError, UploadError
 from mergeflow.export.reconstruct import RankStates
 from mergeflow.export.shard_writer import pack_shards
+from mergeflow.flows.artifacts import (
+    publish_manifest_artifacts,
+    report_progress,
+    start_progress,
+)
 from mergeflow.io.fs import TargetLock
 from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.io.paths import check_target
@@ -37,6 +28,15 @@ from mergeflow.io.prefetch import DigestPrefetch
 from mergeflow.io.staging import remove_partial_writes
 from mergeflow.lora.artifact import ADAPTER_DIR
 from mergeflow.records import MergePlan, ShardRecord
+from mergeflow.tasks.copy_components import copy_components
+from mergeflow.tasks.inspect_inputs import inspect_inputs
+from mergeflow.tasks.load import hash_rank, load_rank_shards
+from mergeflow.tasks.lora import plan_lora, plan_lora_writes, write_lora_adapter
+from mergeflow.tasks.publish import publish, write_metadata
+from mergeflow.tasks.reconstruct import plan_reconstruction
+from mergeflow.tasks.upload import upload_to_hub
+from mergeflow.tasks.validate import validate_staged_task
+from mergeflow.tasks.write import write_shard
 
 
 def merge_run_name() -> str:
@@ -92,7 +92,7 @@ def run_export(plan: MergePlan) -> tuple[dict[str, str], JsonObject]:
         return publish(light(plan), validate_staged_task(light(plan), adapter.manifest, light(verified))), adapter.manifest
     writes = (plan_lora_writes(light(plan), light(lora), light(indexes)) if lora is not None
               else plan_reconstruction(light(plan), light(indexes)))
-    writes = convert_writes(plan.conversion, writes)  # architecture adapters (native MiniMax H3); else unchanged
+    writes = convert_writes(plan.conversion, writes)  # an architecture adapter's conversion; else unchanged
     # Pipeline assets are copied while the shards are written.
     copy_future = copy_components.submit(light_submit(plan)) if plan.base.copy_files else None
     output = pack_shards(writes, plan.options.max_shard_size, plan.output.weights_name, plan.fingerprint)

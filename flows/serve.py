@@ -11,9 +11,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from mergeflow.flows.checkpoint import format_with_checkpoint, merge_checkpoint_flow
-from mergeflow.flows.events import reachable_api_url
-from mergeflow.flows.validate import validate_flow
 from prefect.deployments.runner import EntrypointType, RunnerDeployment
 from prefect.events import DeploymentEventTrigger
 
@@ -29,6 +26,9 @@ from mergeflow.config import (
 )
 from mergeflow.errors import UsageError
 from mergeflow.events import EVENT_CHECKPOINT_SAVED, RESOURCE_PREFIX
+from mergeflow.flows.checkpoint import format_with_checkpoint, merge_checkpoint_flow
+from mergeflow.flows.events import reachable_api_url
+from mergeflow.flows.validate import validate_flow
 from mergeflow.io.jsonfiles import JsonObject
 
 MERGE_DEPLOYMENT = "on-checkpoint"

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mergeflow.tasks.upload import upload_to_hub, verify_hub_upload
-from mergeflow.tasks.validate import validate_artifact_task
 from prefect import flow
 
 from mergeflow.io.jsonfiles import JsonObject
+from mergeflow.tasks.upload import upload_to_hub, verify_hub_upload
+from mergeflow.tasks.validate import validate_artifact_task
 
 
 @flow(name="mergeflow-upload", flow_run_name="upload-{hf_upload_path}")

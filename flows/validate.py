@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mergeflow.tasks.validate import validate_artifact_task
 from prefect import flow
 from prefect.runtime import flow_run
 
 from mergeflow.export.artifact_check import artifact_to_check
 from mergeflow.io.jsonfiles import JsonObject
+from mergeflow.tasks.validate import validate_artifact_task
 
 
 def validate_run_name() -> str:

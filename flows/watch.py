@@ -21,9 +21,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from mergeflow.flows.watch_state import STATE_FILE_NAME, WatchState
-
 from mergeflow.errors import CheckpointError, UsageError
+from mergeflow.flows.watch_state import STATE_FILE_NAME, WatchState
 from mergeflow.formats.verl_checkpoint import (
     FSDP_CONFIG,
     RANK_FILE_RE,

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from mergeflow.tasks import RETRY_IO
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from mergeflow.export.copy_files import copy_base_files
 from mergeflow.records import CopyResult, MergePlan
+from mergeflow.tasks import RETRY_IO
 
 
 @task(name="copy-components", task_run_name="copy-components", **RETRY_IO, cache_policy=NO_CACHE)

@@ -7,12 +7,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from mergeflow.tasks import RETRY_IO
 from prefect import task
 
 from mergeflow.export.rank_index import hash_rank_file, index_rank_file
 from mergeflow.io.fs import FileStamp
 from mergeflow.records import MergePlan, RankIndex
+from mergeflow.tasks import RETRY_IO
 
 
 def _rank_cache_key(context: Any, parameters: Mapping[str, Any]) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from mergeflow.tasks import RETRY_IO
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
@@ -10,6 +9,7 @@ from mergeflow.lora.adapter_writer import AdapterExport, write_adapter
 from mergeflow.lora.export_plan import lora_tensor_writes, plan_lora_export
 from mergeflow.lora.plan import LoraPlan
 from mergeflow.records import MergePlan, RankIndex, TensorWrite
+from mergeflow.tasks import RETRY_IO
 
 
 @task(name="plan-lora", task_run_name="plan-lora", cache_policy=NO_CACHE)

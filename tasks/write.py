@@ -7,13 +7,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from mergeflow.tasks import RETRY_IO
 from prefect import task
 
 from mergeflow.export.reconstruct import RankStates
 from mergeflow.export.shard_writer import write_shard_file
 from mergeflow.io.staging import staged_file_state, staging_id
 from mergeflow.records import MergePlan, ShardPlan, ShardRecord
+from mergeflow.tasks import RETRY_IO
 
 
 def _shard_cache_key(context: Any, parameters: Mapping[str, Any]) -> str:

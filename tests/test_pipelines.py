@@ -288,7 +288,7 @@ def test_test_command_checks_pipeline_components(flux: Exported, tmp_path: Path,
     _json_edit(renamed / "model_index.json", _class_name="StableDiffusion3Pipeline")
     manifest = json.loads((renamed / "merge_manifest.json").read_text())
     manifest["files"]["model_index.json"] = hashlib.sha256((renamed / "model_index.json").read_bytes()).hexdigest()
-    (renamed / "merge_manifest.json").write_text(json.dumps(manifest))
+    (renamed / "merge_manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")  # canonical, as written
     with pytest.raises(ArtifactInvalidError, match="model_index.json names 'StableDiffusion3Pipeline'"):
         validate_artifact(renamed)
     dropped = tmp_path / "dropped"
@@ -296,6 +296,6 @@ def test_test_command_checks_pipeline_components(flux: Exported, tmp_path: Path,
     shutil.rmtree(dropped / "vae")
     manifest = json.loads((dropped / "merge_manifest.json").read_text())
     manifest["files"] = {rel: d for rel, d in manifest["files"].items() if not rel.startswith("vae/")}
-    (dropped / "merge_manifest.json").write_text(json.dumps(manifest))
+    (dropped / "merge_manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     with pytest.raises(ArtifactInvalidError, match="declares component 'vae', but the artifact has no vae/"):
         validate_artifact(dropped)

@@ -144,3 +144,30 @@ def test_big_files_hashed_in_parallel_are_checked_byte_for_byte(tmp_path: Path) 
         handle.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(ArtifactInvalidError, match="b.bin does not match its sha256"):
         check_tree_and_hashes(tmp_path, files)
+
+
+def _edit_manifest(artifact: Path, edit) -> None:  # type: ignore[no-untyped-def]
+    path = artifact / "merge_manifest.json"
+    path.write_bytes(edit(path.read_bytes()))
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda raw: raw + b" ", "canonical"),  # whitespace the parser would forgive
+    (lambda raw: raw.replace(b"\n", b"\r\n"), "canonical"),
+    (lambda raw: json.dumps(json.loads(raw), indent=4, sort_keys=True).encode() + b"\n", "canonical"),
+    (lambda raw: json.dumps(dict(reversed(json.loads(raw).items())), indent=2).encode() + b"\n", "canonical"),
+], ids=["appended-space", "crlf", "indent-4", "unsorted"])
+def test_a_manifest_that_is_not_byte_for_byte_canonical_is_refused(artifact: Path, edit, match: str) -> None:  # type: ignore[no-untyped-def]
+    _edit_manifest(artifact, edit)
+    with pytest.raises(ArtifactInvalidError, match=match):
+        check_artifact(artifact)
+
+
+def test_an_extra_empty_directory_is_refused(artifact: Path) -> None:
+    (artifact / "scratch" / "deeper").mkdir(parents=True)
+    with pytest.raises(ArtifactInvalidError, match="scratch/ is in the artifact but holds no file of the manifest"):
+        check_artifact(artifact)
+
+
+def test_the_published_artifact_passes_as_written(published: Path) -> None:
+    assert check_artifact(published)["integrity"] == "passed"

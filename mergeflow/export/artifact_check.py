@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
 from mergeflow.architectures.contract import check_pipeline_artifact
@@ -25,7 +25,12 @@ from mergeflow.formats.safetensors_format import nbytes
 from mergeflow.formats.weight_index import WEIGHT_NAMES, has_weights, read_weights
 from mergeflow.io.config_paths import is_config_json
 from mergeflow.io.fs import FileStamp, sha256_file
-from mergeflow.io.jsonfiles import JsonObject, read_json_strict
+from mergeflow.io.jsonfiles import (
+    JsonObject,
+    dumps_canonical,
+    parse_json_strict,
+    read_json_strict,
+)
 from mergeflow.io.staging import artifact_root
 from mergeflow.lora.artifact import (
     ADAPTER_DIR,
@@ -54,8 +59,11 @@ class ArtifactSummary:
     manifest: JsonObject
 
 
-def _tree_sizes(root: Path) -> dict[str, int]:
-    """Size of every file under root by relative POSIX path; symlinks and special files are refused."""
+def _tree_sizes(root: Path, folders: set[str] | None = None) -> dict[str, int]:
+    """Size of every file under root by relative POSIX path; symlinks and special files are refused.
+
+    `folders`, when given, collects every directory below root (relative POSIX paths).
+    """
     found: dict[str, int] = {}
     pending = [root]
     while pending:
@@ -67,6 +75,8 @@ def _tree_sizes(root: Path) -> dict[str, int]:
                     raise ArtifactInvalidError(f"{path.relative_to(root)} is a symlink; artifacts hold plain files only")
                 if entry.is_dir(follow_symlinks=False):
                     pending.append(path)
+                    if folders is not None:
+                        folders.add(path.relative_to(root).as_posix())
                 elif entry.is_file(follow_symlinks=False):
                     found[path.relative_to(root).as_posix()] = entry.stat(follow_symlinks=False).st_size
                 else:
@@ -86,13 +96,17 @@ def check_tree_and_hashes(root: Path, files: dict[str, str], *, verified: Mappin
     bytes: such a file is taken as read while its stamp is unchanged since; every other file,
     and every file of a published artifact, is hashed here.
     """
-    sizes = _tree_sizes(root)
+    folders: set[str] = set()
+    sizes = _tree_sizes(root, folders)
     sizes.pop(MANIFEST_NAME, None)
     present, listed = set(sizes), set(files)
     if present - listed:
         raise ArtifactInvalidError(f"{sorted(present - listed)[0]} is in the artifact but not in the manifest")
     if listed - present:
         raise ArtifactInvalidError(f"{sorted(listed - present)[0]} is listed in the manifest but missing")
+    needed = {parent.as_posix() for name in listed for parent in PurePosixPath(name).parents if parent.name}
+    if folders - needed:  # an empty (or emptied) directory is something the manifest does not describe
+        raise ArtifactInvalidError(f"{sorted(folders - needed)[0]}/ is in the artifact but holds no file of the manifest")
     digests = {name: v.sha256 for name, v in (verified or {}).items() if name in listed and _unchanged(root / name, v)}
     digests.update(_hash_files(root, {name: sizes[name] for name in listed - set(digests)}))
     for name in sorted(listed):
@@ -174,6 +188,25 @@ def manifest_relpath(root: Path) -> str:
     return ADAPTER_MANIFEST if adapter_only_root(root) is not None else MANIFEST_NAME
 
 
+def read_canonical_manifest(path: Path) -> JsonObject:
+    """The manifest, whose bytes must be exactly its canonical JSON (as mergeflow writes it).
+
+    A byte the manifest's parser would forgive (appended whitespace, reordered keys, another
+    number format) is still an edit of the record this artifact is proven against.
+    """
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ArtifactInvalidError(f"{MANIFEST_NAME} cannot be read ({type(exc).__name__}: {exc})") from None
+    data = parse_json_strict(raw, ArtifactInvalidError, MANIFEST_NAME)
+    if not isinstance(data, dict):
+        raise ArtifactInvalidError(f"{MANIFEST_NAME} is not a JSON object")
+    if raw != dumps_canonical(data).encode("utf-8"):
+        raise ArtifactInvalidError(f"{MANIFEST_NAME} is not byte for byte the canonical JSON mergeflow wrote: "
+                                   "it was edited after the export")
+    return data
+
+
 def validate_artifact_dir(root: Path, verified: Mapping[str, VerifiedFile] | None = None) -> ArtifactSummary:
     """Everything `test` checks, without the source checkpoint (`verified`: see check_tree_and_hashes)."""
     if not root.is_dir():
@@ -184,7 +217,7 @@ def validate_artifact_dir(root: Path, verified: Mapping[str, VerifiedFile] | Non
     manifest_path = root / MANIFEST_NAME
     if manifest_path.is_symlink() or not manifest_path.is_file():
         raise ArtifactInvalidError(f"{root.name} has no {MANIFEST_NAME}; is it a mergeflow artifact?")
-    manifest = check_manifest(read_json_strict(manifest_path, ArtifactInvalidError, MANIFEST_NAME))
+    manifest = check_manifest(read_canonical_manifest(manifest_path))
     check_tree_and_hashes(root, manifest["files"], verified=verified)
     check_configs(root, manifest)
     tensor_dir = root / manifest["tensor_directory"]

@@ -10,7 +10,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 from mergeflow.architectures.adapters import (
     BaseWeights,
     check_base_headers,
