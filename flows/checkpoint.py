@@ -20,12 +20,16 @@ from mergeflow.config import (
     DEFAULT_OUTPUT_FORMAT,
     DEFAULT_TASK_RUNNER,
     DEFAULT_WORKERS,
+    Dtype,
     ModelMergerConfig,
+    OutputFormat,
+    TaskRunner,
 )
 from mergeflow.errors import UsageError
 from mergeflow.flows.merge import merge_flow
 from mergeflow.flows.runners import make_task_runner
 from mergeflow.formats.verl_checkpoint import step_of
+from mergeflow.io.confinement import Confinement
 from mergeflow.io.jsonfiles import JsonObject
 
 FORMAT_FIELDS = ("run_name", "step")
@@ -74,24 +78,32 @@ def default_target(target_root: str, run_name: str, step: int | None, actor_dir:
 def resolve_checkpoint_config(
     checkpoint: JsonObject,
     *,
+    confinement: Confinement,
     base_model: str | None = None,
     target_root: str | None = None,
-    output_format: str = DEFAULT_OUTPUT_FORMAT,
-    dtype: str = DEFAULT_DTYPE,
+    output_format: OutputFormat = DEFAULT_OUTPUT_FORMAT,
+    dtype: Dtype = DEFAULT_DTYPE,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     hf_upload_path: str | None = None,
     private: bool = False,
     workers: int = DEFAULT_WORKERS,
 ) -> ModelMergerConfig:
-    """The merge config for one event payload; payload keys override the served defaults."""
+    """The merge config for one event payload; payload keys override the served defaults.
+
+    Every path the payload names is checked against `confinement` (resolved, symlinks
+    followed) before anything is read or written; the config holds the resolved paths.
+    """
     if not isinstance(checkpoint, dict) or "local_dir" not in checkpoint:
         raise UsageError("the checkpoint event has no local_dir; emit it with mergeflow.events.checkpoint_saved(path)")
+    # Names (run, step) come from the path as the event gave it; reading uses the resolved one.
     actor_dir = Path(_absolute(checkpoint["local_dir"], "local_dir"))
     step = _step_of(checkpoint, actor_dir)
     run_name = _plain_name(checkpoint.get("run_name") or actor_dir.parent.parent.name or "checkpoints", "run_name")
+    local_dir = confinement.checkpoint(str(actor_dir))
     base = checkpoint.get("base_model") or base_model
     if not base:
         raise UsageError("no base model: serve with --base_model or put base_model in the event payload")
+    base = confinement.base_model(_absolute(str(base), "base_model"))
     if checkpoint.get("target_dir"):
         target = Path(_absolute(checkpoint["target_dir"], "target_dir"))
     elif target_root:
@@ -100,9 +112,9 @@ def resolve_checkpoint_config(
         raise UsageError("no target: serve with --target-root or put target_dir in the event payload")
     config = ModelMergerConfig(
         operation="merge",
-        local_dir=str(actor_dir),
-        base_model=_absolute(str(base), "base_model"),
-        target_dir=str(target),
+        local_dir=local_dir,
+        base_model=base,
+        target_dir=confinement.target(target),
         output_format=output_format,
         dtype=dtype,
         max_shard_size=max_shard_size,
@@ -128,24 +140,32 @@ def merge_checkpoint_flow(
     checkpoint: JsonObject,
     base_model: str | None = None,
     target_root: str | None = None,
-    output_format: str = DEFAULT_OUTPUT_FORMAT,
-    dtype: str = DEFAULT_DTYPE,
+    output_format: OutputFormat = DEFAULT_OUTPUT_FORMAT,
+    dtype: Dtype = DEFAULT_DTYPE,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     hf_upload_path: str | None = None,
     private: bool = False,
     workers: int = DEFAULT_WORKERS,
-    task_runner: str = DEFAULT_TASK_RUNNER,
+    task_runner: TaskRunner = DEFAULT_TASK_RUNNER,
     dask_address: str | None = None,
+    checkpoint_roots: list[str] | None = None,
+    allowed_base_models: list[str] | None = None,
 ) -> JsonObject:
-    """Export the checkpoint an event names (payload keys override these defaults)."""
+    """Export the checkpoint an event names (payload keys override these defaults).
+
+    The event may only name checkpoints under `checkpoint_roots`, targets under `target_root`
+    and the base models `base_model` and `allowed_base_models`: anything else is refused
+    before it is read or written.
+    """
+    confinement = Confinement.of(checkpoint_roots, target_root, [b for b in (base_model, *(allowed_base_models or ())) if b])
     config = resolve_checkpoint_config(
-        checkpoint, base_model=base_model, target_root=target_root, output_format=output_format, dtype=dtype,
+        checkpoint, confinement=confinement, base_model=base_model, target_root=target_root, output_format=output_format, dtype=dtype,
         max_shard_size=max_shard_size, hf_upload_path=hf_upload_path, private=private, workers=workers,
     )
     target = Path(str(config.target_dir))
-    if target_root and not checkpoint.get("target_dir"):
-        if not Path(target_root).is_dir():
-            raise UsageError(f"--target-root {target_root} does not exist (any more); create it")
-        target.parent.mkdir(exist_ok=True)  # the per-run folder under the target root
+    if not Path(confinement.target_root).is_dir():
+        raise UsageError(f"--target-root {target_root} does not exist (any more); create it")
+    if not checkpoint.get("target_dir"):
+        target.parent.mkdir(exist_ok=True)  # the per-run folder under the target root (checked above)
     runner = make_task_runner(task_runner, workers=workers, dask_address=dask_address)
     return merge_flow.with_options(task_runner=runner)(config=config)

@@ -23,12 +23,20 @@ from mergeflow.config import (
     ModelMergerConfig,
 )
 from mergeflow.errors import MergeflowError, one_line
+from mergeflow.flows.interrupts import (
+    end_soon,
+    exit_status_of,
+    first_signal,
+    interrupted_line,
+    interrupts_stop_the_export,
+)
 from mergeflow.flows.ops_cli import (
     OPS_COMMANDS,
     add_ops_commands,
     add_task_runner_flags,
 )
 from mergeflow.io.jsonfiles import JsonObject
+from mergeflow.io.os_errors import typed_os_error
 
 
 def _flag(parser: argparse.ArgumentParser, *names: str, **kwargs: Any) -> None:
@@ -130,9 +138,14 @@ def _quiet_prefect(debug: bool) -> None:
 @contextmanager
 def _running_flows() -> Iterator[None]:
     """Around every command that runs a flow: a Prefect API to run against, and each run's UI link."""
-    from mergeflow.flows.local_server import ensure_local_server
+    from mergeflow.flows.local_server import configured_api_url, ensure_local_server
 
-    ensure_local_server()  # first: it may set PREFECT_API_URL, which Prefect reads when imported
+    started = ensure_local_server()  # first: it may set PREFECT_API_URL, which Prefect reads when imported
+    if started is None and configured_api_url():
+        from mergeflow.flows.events import reachable_api_url
+
+        # The user's server down, or refusing our credentials: one line now, not a traceback mid-export.
+        reachable_api_url()
     from mergeflow.flows.progress import flow_run_links
 
     with flow_run_links():
@@ -141,12 +154,13 @@ def _running_flows() -> Iterator[None]:
 
 def cmd_merge(args: argparse.Namespace) -> JsonObject:
     from mergeflow.export.preflight import preflight_merge
+    from mergeflow.formats.zip_records import sha256_and_check_records
     from mergeflow.io.prefetch import DigestPrefetch
 
     config = _config_from(args, "merge")
     rank_files = preflight_merge(config)  # refusals that need no tensor data answer before any server or Prefect import
     # The manifest's rank-file digests: hashed from now on, on the core the imports leave idle.
-    DigestPrefetch.start(rank_files)
+    DigestPrefetch.start(rank_files, hasher=sha256_and_check_records)
     with _running_flows():
         from mergeflow.flows.api import merge_model
         from mergeflow.flows.progress import stderr_progress
@@ -222,7 +236,35 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], JsonObject]] = {
 EXIT_UPLOAD_FAILED = 3
 
 
+def _report_failure(exc: BaseException, target_dir: str | None, debug: bool) -> int:
+    """One line on stderr for whatever ended the command; returns the exit status."""
+    if debug:
+        traceback.print_exc()
+    signum = first_signal(exc)
+    if signum is not None:  # Ctrl-C or SIGTERM, whatever error the stopping workers raised meanwhile
+        status = exit_status_of(signum)
+        end_soon(status)
+        print(interrupted_line(signum, target_dir), file=sys.stderr, flush=True)
+        return status
+    if isinstance(exc, OSError) and not isinstance(exc, MergeflowError):
+        exc = typed_os_error(exc) or exc  # raised outside a flow (inspect, test, a lock on a full disk)
+    if isinstance(exc, MergeflowError):
+        note = f" (work kept for resume in {exc.staging_dir}; rerun the same command to resume)" if exc.staging_dir else ""
+        print(f"mergeflow: error: {exc}{note}", file=sys.stderr)
+        return exc.exit_code
+    # An unexpected failure still gets one line, and a way to see more.
+    print(f"mergeflow: internal error: {type(exc).__name__}: {one_line(str(exc))} (rerun with --debug for a traceback)",
+          file=sys.stderr)
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
+    # From the first moment: a Ctrl-C during start-up is one line and 130 like any other.
+    with interrupts_stop_the_export():
+        return _run(argv)
+
+
+def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     debug = bool(getattr(args, "debug", False))
     _quiet_prefect(debug)
@@ -231,21 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         result = COMMANDS[args.command](args)
-    except MergeflowError as exc:
-        if debug:
-            traceback.print_exc()
-        note = f" (work kept for resume in {exc.staging_dir}; rerun the same command to resume)" if exc.staging_dir else ""
-        print(f"mergeflow: error: {exc}{note}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print("mergeflow: interrupted; nothing was published", file=sys.stderr)
-        return 130
-    except Exception as exc:  # an unexpected failure still gets one line, and a way to see more
-        if debug:
-            traceback.print_exc()
-        print(f"mergeflow: internal error: {type(exc).__name__}: {one_line(str(exc))} (rerun with --debug for a traceback)",
-              file=sys.stderr)
-        return 1
+    except (KeyboardInterrupt, Exception) as exc:  # noqa: BLE001 - every failure ends as one line and a status
+        return _report_failure(exc, getattr(args, "target_dir", None), debug)
     sys.stdout.flush()
     print(json.dumps(result))
     upload = result.get("upload")

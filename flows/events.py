@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from typing import Any
 
 from mergeflow.errors import EventError
 from mergeflow.events import EVENT_CHECKPOINT_SAVED, build_checkpoint_event
@@ -36,18 +37,46 @@ def configured_api_url() -> str:
 
 
 def reachable_api_url() -> str:
-    """The configured Prefect API URL once its health check answers; EventError otherwise."""
+    """The configured Prefect API URL once it answers and accepts this process's credentials; EventError otherwise."""
     from prefect.client.orchestration import get_client
 
     api_url = configured_api_url()
     with get_client(sync_client=True) as client:
         failure = client.api_healthcheck()
+        if failure is None:
+            denied = _access_denied(client)
     if failure is not None:
         raise EventError(
             f"The Prefect API at {api_url} is not reachable ({type(failure).__name__}: {failure}); "
             "start it (prefect server start) or fix PREFECT_API_URL."
         )
+    if denied:
+        raise EventError(denied)
     return api_url
+
+
+def _access_denied(client: Any) -> str | None:
+    """Why the API refuses this process (a server with PREFECT_SERVER_API_AUTH_STRING), or None.
+
+    The health check is open on such a server; anything else answers 401, and Prefect's
+    events worker would only log "failed with 1 pending items". Asking for the version tells.
+    """
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    try:
+        client.api_version()
+    except PrefectHTTPStatusError as exc:
+        if exc.response.status_code not in (401, 403):
+            return None  # not an access problem; sending reports whatever else is wrong
+        from prefect.settings import PREFECT_API_AUTH_STRING
+
+        url = str(client.api_url).rstrip("/")
+        if PREFECT_API_AUTH_STRING.value():
+            return (f"The Prefect API at {url} refused PREFECT_API_AUTH_STRING ({exc.response.status_code}): "
+                    "set it to the server's PREFECT_SERVER_API_AUTH_STRING.")
+        return (f"The Prefect API at {url} requires authentication ({exc.response.status_code}): "
+                "set PREFECT_API_AUTH_STRING to the server's PREFECT_SERVER_API_AUTH_STRING (user:password).")
+    return None
 
 
 class _ServiceFailures(logging.Handler):

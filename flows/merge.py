@@ -23,6 +23,7 @@ from mergeflow.flows.artifacts import (
 )
 from mergeflow.io.fs import TargetLock
 from mergeflow.io.jsonfiles import JsonObject
+from mergeflow.io.os_errors import typed_os_error
 from mergeflow.io.paths import check_target
 from mergeflow.io.prefetch import DigestPrefetch
 from mergeflow.io.staging import remove_partial_writes
@@ -128,12 +129,20 @@ def merge_flow(config: ModelMergerConfig) -> JsonObject:
         lock = TargetLock(Path(plan.output.lock)).acquire()
         try:
             result, manifest = run_export(plan)
-        except MergeflowError as exc:
+        except (MergeflowError, OSError) as exc:
+            typed = typed_os_error(exc) if isinstance(exc, OSError) else exc  # disk full, permissions, ...: one line
+            if typed is None:
+                raise
             if Path(plan.output.staging).exists():
-                raise exc.kept_in(plan.output.staging)
-            raise
+                raise typed.kept_in(plan.output.staging) from None
+            raise typed from None
         finally:
             lock.release()
+    except OSError as exc:  # before the lock (inspection, the lock itself): nothing staged yet
+        typed = typed_os_error(exc)
+        if typed is None:
+            raise
+        raise typed from None
     finally:
         actor_dir = Path(config.local_dir or "").expanduser().resolve()
         RankStates.forget(actor_dir)

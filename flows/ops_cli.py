@@ -36,7 +36,11 @@ def add_ops_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     serve = sub.add_parser("serve", help="serve the merge (event-triggered) and validate deployments")
     serve.add_argument("--base_model", "--base-model", dest="base_model", required=True, help="local base model directory")
     serve.add_argument("--target-root", "--target_root", dest="target_root", required=True,
-                       help="exports go to TARGET_ROOT/<run_name>/global_step_<step> unless an event names a target")
+                       help="exports go to TARGET_ROOT/<run_name>/global_step_<step>; an event's target_dir must lie below it")
+    serve.add_argument("--checkpoint-root", "--checkpoint_root", dest="checkpoint_roots", action="append", required=True,
+                       metavar="DIR", help="an event's local_dir must lie below DIR (symlinks followed); repeat for several roots")
+    serve.add_argument("--allow-base-model", "--allow_base_model", dest="allowed_base_models", action="append", default=[],
+                       metavar="DIR", help="a base model an event may name besides --base_model; repeat for several")
     serve.add_argument("--output_format", "--output-format", dest="output_format", default=DEFAULT_OUTPUT_FORMAT, choices=OUTPUT_FORMATS)
     serve.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPES)
     serve.add_argument("--max_shard_size", "--max-shard-size", dest="max_shard_size", type=int, default=DEFAULT_MAX_SHARD_SIZE)
@@ -93,6 +97,7 @@ def cmd_serve(args: argparse.Namespace) -> JsonObject:
         base_model=args.base_model, target_root=args.target_root, output_format=args.output_format, dtype=args.dtype,
         max_shard_size=args.max_shard_size, hf_upload_path=args.hf_upload_path, private=args.private,
         workers=args.workers, task_runner=args.task_runner, dask_address=args.dask_address,
+        checkpoint_roots=tuple(args.checkpoint_roots), allowed_base_models=tuple(args.allowed_base_models),
     )
     try:
         serve_deployments(settings, limit=args.limit)

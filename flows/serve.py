@@ -21,8 +21,12 @@ from mergeflow.config import (
     DEFAULT_TASK_RUNNER,
     DEFAULT_WORKERS,
     DTYPES,
+    MAX_WORKERS,
     OUTPUT_FORMATS,
     TASK_RUNNERS,
+    Dtype,
+    OutputFormat,
+    TaskRunner,
 )
 from mergeflow.errors import UsageError
 from mergeflow.events import EVENT_CHECKPOINT_SAVED, RESOURCE_PREFIX
@@ -45,14 +49,17 @@ class ServeSettings:
 
     base_model: str
     target_root: str
-    output_format: str = DEFAULT_OUTPUT_FORMAT
-    dtype: str = DEFAULT_DTYPE
+    output_format: OutputFormat = DEFAULT_OUTPUT_FORMAT
+    dtype: Dtype = DEFAULT_DTYPE
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
     hf_upload_path: str | None = None
     private: bool = False
     workers: int = DEFAULT_WORKERS
-    task_runner: str = DEFAULT_TASK_RUNNER
+    task_runner: TaskRunner = DEFAULT_TASK_RUNNER
     dask_address: str | None = None
+    # Where events may point: checkpoints below these roots, and these base models besides base_model.
+    checkpoint_roots: tuple[str, ...] = ()
+    allowed_base_models: tuple[str, ...] = ()
 
     def checked(self) -> ServeSettings:
         """Absolute paths, known choices; refuse what every triggered run would fail on."""
@@ -62,20 +69,32 @@ class ServeSettings:
             raise UsageError(f"--base_model {self.base_model} is not a local directory")
         if not root.is_dir():
             raise UsageError(f"--target-root {self.target_root} does not exist; create it first")
+        if not self.checkpoint_roots:
+            raise UsageError("--checkpoint-root is required: events may only name checkpoints below it (repeat it for several)")
+        checkpoint_roots = tuple(_existing_dir(p, "--checkpoint-root") for p in self.checkpoint_roots)
+        allowed = tuple(_existing_dir(p, "--allow-base-model") for p in self.allowed_base_models)
         if self.output_format not in OUTPUT_FORMATS:
             raise UsageError(f"--output_format must be one of {', '.join(OUTPUT_FORMATS)}")
         if self.dtype not in DTYPES:
             raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}")
         if self.task_runner not in TASK_RUNNERS:
             raise UsageError(f"--task-runner must be one of {', '.join(TASK_RUNNERS)}")
-        if self.workers < 1:
-            raise UsageError("--workers must be at least 1")
+        if not 1 <= self.workers <= MAX_WORKERS:
+            raise UsageError(f"--workers must be between 1 and {MAX_WORKERS}")
         format_with_checkpoint(self.hf_upload_path, "run", 0, "--hf_upload_path")
-        return ServeSettings(**{**asdict(self), "base_model": str(base), "target_root": str(root)})
+        return ServeSettings(**{**asdict(self), "base_model": str(base), "target_root": str(root),
+                                "checkpoint_roots": checkpoint_roots, "allowed_base_models": allowed})
 
     def parameters(self) -> JsonObject:
         """The merge deployment's default parameters (the trigger adds `checkpoint`)."""
-        return asdict(self)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+
+def _existing_dir(path: str, flag: str) -> str:
+    resolved = Path(path).expanduser().resolve()
+    if not resolved.is_dir():
+        raise UsageError(f"{flag} {path} is not a directory")
+    return str(resolved)
 
 
 def checkpoint_trigger() -> DeploymentEventTrigger:
@@ -100,6 +119,7 @@ def build_deployments(settings: ServeSettings) -> list[RunnerDeployment]:
     )
     validate = validate_flow.to_deployment(
         name=VALIDATE_DEPLOYMENT,
+        parameters={"within": settings.target_root},  # the exports (and their kept staging) only
         description="Validate a published artifact, or the kept staging directory of a failed merge.",
         tags=["mergeflow"],
         entrypoint_type=EntrypointType.MODULE_PATH,

@@ -1,6 +1,12 @@
 """`python -m mergeflow`: the same command line as the `mergeflow` console script."""
 
-from mergeflow.flows.cli import main
+import sys
+
+try:
+    from mergeflow.flows.cli import main
+except KeyboardInterrupt:  # Ctrl-C while Python was still importing: nothing had started
+    print("mergeflow: interrupted (SIGINT) while starting; nothing was done", file=sys.stderr)
+    raise SystemExit(130) from None
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -4,30 +4,41 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from mergeflow.errors import UsageError
 from mergeflow.io.jsonfiles import JsonObject
 
 # The choices and defaults of every entry point (CLI flags, served deployments, the checkpoint
 # flow's parameters): defined once here, read everywhere else.
-OUTPUT_FORMATS = ("pipeline", "transformer")
-DTYPES = ("preserve", "float32", "float16", "bfloat16")
-ADAPTER_FORMATS = ("peft", "diffusers")
-QKV_LAYOUTS = ("interleaved", "stacked")
-TASK_RUNNERS = ("thread", "dask")
-DEFAULT_OUTPUT_FORMAT = "pipeline"
-DEFAULT_DTYPE = "preserve"
+# The Literal types are what type checkers (and Prefect's parameter forms) see; the tuples are
+# what argparse and the checks below use, derived from them so the two cannot drift.
+Operation = Literal["merge", "test"]
+Backend = Literal["fsdp"]
+OutputFormat = Literal["pipeline", "transformer"]
+Dtype = Literal["preserve", "float32", "float16", "bfloat16"]
+AdapterFormat = Literal["peft", "diffusers"]
+QkvLayout = Literal["interleaved", "stacked"]
+TaskRunner = Literal["thread", "dask"]
+OUTPUT_FORMATS: tuple[OutputFormat, ...] = get_args(OutputFormat)
+DTYPES: tuple[Dtype, ...] = get_args(Dtype)
+ADAPTER_FORMATS: tuple[AdapterFormat, ...] = get_args(AdapterFormat)
+QKV_LAYOUTS: tuple[QkvLayout, ...] = get_args(QkvLayout)
+TASK_RUNNERS: tuple[TaskRunner, ...] = get_args(TaskRunner)
+DEFAULT_OUTPUT_FORMAT: OutputFormat = "pipeline"
+DEFAULT_DTYPE: Dtype = "preserve"
 DEFAULT_MAX_SHARD_SIZE = 2 * 1024**3
 DEFAULT_WORKERS = 2
-DEFAULT_TASK_RUNNER = "thread"
+MAX_WORKERS = 256  # parallel shard writers; on Dask each one a local process
+DEFAULT_TASK_RUNNER: TaskRunner = "thread"
 
 
 @dataclass
 class ModelMergerConfig:
     """What to merge and how. The first sixteen fields mirror verl-omni's config exactly."""
 
-    operation: str = "merge"
-    backend: str = "fsdp"
+    operation: Operation = "merge"
+    backend: Backend = "fsdp"
     target_dir: str | None = None
     hf_upload_path: str | None = None
     private: bool = False
@@ -36,17 +47,17 @@ class ModelMergerConfig:
     local_dir: str | None = None
     hf_model_config_path: str | None = None
     base_model: str | None = None
-    output_format: str = DEFAULT_OUTPUT_FORMAT
+    output_format: OutputFormat = DEFAULT_OUTPUT_FORMAT
     adapter_name: str = "default"
-    dtype: str = DEFAULT_DTYPE
+    dtype: Dtype = DEFAULT_DTYPE
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
     trust_checkpoint: bool = False
     fuse_lora: bool = False
     # mergeflow's own additions (all optional, defaults keep the reference behaviour).
     component: str = "transformer"
-    adapter_format: str = "peft"
+    adapter_format: AdapterFormat = "peft"
     adapter_config: str | None = None
-    qkv_layout: str = "interleaved"
+    qkv_layout: QkvLayout = "interleaved"
     workers: int = DEFAULT_WORKERS
 
     def __post_init__(self) -> None:
@@ -83,8 +94,8 @@ class ModelMergerConfig:
             raise UsageError(f"--qkv-layout must be one of {', '.join(QKV_LAYOUTS)}")
         if not self.component or "/" in self.component or self.component.startswith("."):
             raise UsageError(f"--component must be a component name such as 'transformer', not {self.component!r}")
-        if self.workers < 1:
-            raise UsageError("--workers must be at least 1")
+        if not 1 <= self.workers <= MAX_WORKERS:
+            raise UsageError(f"--workers must be between 1 and {MAX_WORKERS} (each may be a process on Dask)")
         if self.hf_upload_path is not None and self.hf_upload_path.count("/") != 1:
             raise UsageError(f"--hf_upload_path must look like ORG/REPO, not {self.hf_upload_path!r}")
 

@@ -69,6 +69,10 @@ class PathSafetyError(MergeflowError):
     """A path would escape its directory, overlap another input, or replace an existing one."""
 
 
+class ConfinementError(PathSafetyError):
+    """An event-driven run named a path or base model outside what the operator allowed at serve time."""
+
+
 class TargetExistsError(PathSafetyError):
     """The target directory exists; mergeflow never overwrites."""
 
@@ -113,8 +117,24 @@ class InputChangedError(MergeflowError):
 
 # -- the output --------------------------------------------------------------------------------
 
+class ExportInterruptedError(MergeflowError):
+    """Ctrl-C or SIGTERM stopped the export; what was written is kept for a resume."""
+
+    exit_code = 130
+
+
 class DiskFullError(MergeflowError, OSError):
     """The output filesystem ran out of space (or hit a file size limit) while writing."""
+
+
+class FileAccessError(MergeflowError):
+    """The operating system refused access to a path: permission denied, or a read-only filesystem."""
+
+
+class StorageIOError(MergeflowError):
+    """The disk or network filesystem failed (EIO, a stale handle): another attempt may succeed."""
+
+    retryable = True
 
 
 class ArtifactInvalidError(MergeflowError):
@@ -127,7 +147,7 @@ class ArtifactInvalidError(MergeflowError):
 # -- events and the Hub ------------------------------------------------------------------------
 
 class EventError(MergeflowError):
-    """An event could not be emitted (e.g. no Prefect API configured)."""
+    """The Prefect API cannot take an event or a run: none configured, unreachable, or credentials refused."""
 
 
 class UploadError(MergeflowError):

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any, TypedDict
 
 from mergeflow.errors import is_retryable
+from mergeflow.io.os_errors import typed_os_error
 
 
 def retry_transient(task: Any, task_run: Any, state: Any) -> bool:
@@ -22,6 +23,8 @@ def retry_transient(task: Any, task_run: Any, state: Any) -> bool:
     try:
         state.result()
     except Exception as exc:  # noqa: BLE001 - the state's own exception, classified below
+        if isinstance(exc, OSError):  # a full disk or a permission does not heal in a second: only EIO & co. do
+            exc = typed_os_error(exc) or exc
         return is_retryable(exc)
     return False
 

@@ -8,11 +8,17 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed.tensor  # noqa: F401
 
 from mergeflow.config import ModelMergerConfig
-from mergeflow.demo.checkpoints import build_transformer, perturb_, save_base_transformer, save_fsdp_checkpoint
+from mergeflow.demo.checkpoints import (
+    build_transformer,
+    perturb_,
+    save_base_transformer,
+    save_fsdp_checkpoint,
+)
 
 
 @dataclass
@@ -194,3 +200,27 @@ def _plain_run_export(plan, run: PlainRun) -> dict[str, str]:  # type: ignore[no
     report = validate_staged_task.fn(plan, manifest, {plan.output.relative(r.file_name): r.verified() for r in records})
     run.stage = "publish"
     return publish.fn(plan, report)
+
+
+def assert_nothing_published(ex: Export, target: Path, err: Exception, inputs_before: tuple) -> None:
+    assert not target.exists(), "a target was published"
+    staging = getattr(err, "staging_dir", None)
+    left = leftovers(target.parent, f".{target.name}.")
+    assert all(".mergeflow-staging-" in name for name in left), left  # no lock file, no stray files
+    if left:
+        assert staging is not None and Path(staging).name in left, "staging kept but not reported"
+    assert (tree_digest(ex.actor_dir.parent), tree_digest(ex.base_dir)) == inputs_before, "inputs were modified"
+    assert "\n" not in str(err)
+
+
+def expect_refusal(ex: Export, error: type[Exception], match: str | None = None, *, stage: str,
+                   **overrides: object) -> Exception:
+    """Run the export's steps without Prefect (plain_export); `stage` must refuse with `error`, publishing nothing."""
+    target = Path(str(overrides.pop("target", ex.root / "out")))
+    inputs_before = tree_digest(ex.actor_dir.parent), tree_digest(ex.base_dir)
+    run = PlainRun()
+    with pytest.raises(error, match=match) as info:
+        plain_export(ex.config(target, **overrides), run)
+    assert run.stage == stage, f"refused at step {run.stage!r}, expected at {stage!r}: {info.value}"
+    assert_nothing_published(ex, target, info.value, inputs_before)
+    return info.value

@@ -14,6 +14,9 @@ os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="mergeflow-tests-prefect-")
 os.environ.pop("PREFECT_API_URL", None)
+# The session's server has basic authentication on (tests/prefect_server.py), as a served
+# deployment should: every client here and every child process presents the auth string.
+os.environ["PREFECT_API_AUTH_STRING"] = "mergeflow:test-auth"
 # CLI subprocesses without PREFECT_API_URL must not leave a background server behind; the tests
 # of that server unset this for their own subprocesses (and stop what they start).
 os.environ["MERGEFLOW_LOCAL_SERVER"] = "0"
@@ -24,14 +27,13 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 sys.path.insert(0, str(Path(__file__).parent))
 
 import pytest  # noqa: E402
-
 from prefect_server import PrefectServer, start_prefect_server  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
     """One real `prefect server start` on 127.0.0.1 for the whole session, stopped at the end."""
-    with start_prefect_server(tmp_path_factory.mktemp("prefect")) as server:
+    with start_prefect_server(tmp_path_factory.mktemp("prefect"), auth_string=os.environ["PREFECT_API_AUTH_STRING"]) as server:
         yield server
         _drain_prefect_services()
 

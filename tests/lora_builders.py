@@ -13,8 +13,13 @@ import torch.distributed.tensor  # noqa: F401
 from peft import LoraConfig, PeftModel, get_peft_model
 
 from mergeflow.config import ModelMergerConfig
+from mergeflow.demo.checkpoints import (
+    build_transformer,
+    run_tiny_forward,
+    save_base_transformer,
+    save_fsdp_checkpoint,
+)
 from mergeflow.lora.keys import is_adapter_only_key
-from mergeflow.demo.checkpoints import build_transformer, run_tiny_forward, save_base_transformer, save_fsdp_checkpoint
 
 ConfigFactory = Callable[[str], LoraConfig]
 

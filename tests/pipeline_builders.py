@@ -10,10 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from builders import leftovers, tree_digest
+
 from mergeflow.config import ModelMergerConfig
-from mergeflow.demo.checkpoints import perturb_, save_fsdp_checkpoint, tiny_forward_inputs
+from mergeflow.demo.checkpoints import (
+    perturb_,
+    save_fsdp_checkpoint,
+    tiny_forward_inputs,
+)
 
 WORLD_SIZE = 2
 

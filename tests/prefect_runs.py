@@ -39,7 +39,12 @@ def shard_states(runs: list[Any], attempt: int | None = None) -> dict[str, str]:
 
 async def _flow_runs(name_like: str | None = None, deployment_id: UUID | None = None) -> list[Any]:
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, FlowRunFilter, FlowRunFilterName
+    from prefect.client.schemas.filters import (
+        DeploymentFilter,
+        DeploymentFilterId,
+        FlowRunFilter,
+        FlowRunFilterName,
+    )
 
     flow_filter = FlowRunFilter(name=FlowRunFilterName(like_=name_like)) if name_like else None
     deployment_filter = DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])) if deployment_id else None

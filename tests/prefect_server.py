@@ -32,6 +32,7 @@ class PrefectServer:
     home: Path
     log_path: Path
     process: subprocess.Popen[bytes]
+    auth_string: str | None = None  # PREFECT_SERVER_API_AUTH_STRING of the server, when it has one
 
     def client_env(self, base: dict[str, str] | None = None) -> dict[str, str]:
         """Environment for a child process that should talk to this server."""
@@ -39,6 +40,8 @@ class PrefectServer:
         env["PREFECT_HOME"] = str(self.home)
         env["PREFECT_API_URL"] = self.api_url
         env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+        if self.auth_string:
+            env["PREFECT_API_AUTH_STRING"] = self.auth_string
         return env
 
     @contextlib.contextmanager
@@ -91,8 +94,11 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 
 
 @contextlib.contextmanager
-def start_prefect_server(tmp_path: Path, *, startup_timeout: float = 90.0) -> Iterator[PrefectServer]:
-    """Start `prefect server start` on a free port with a temp PREFECT_HOME; stop it on exit."""
+def start_prefect_server(tmp_path: Path, *, startup_timeout: float = 90.0, auth_string: str | None = None) -> Iterator[PrefectServer]:
+    """Start `prefect server start` on a free port with a temp PREFECT_HOME; stop it on exit.
+
+    With `auth_string`, the server requires basic authentication (PREFECT_SERVER_API_AUTH_STRING).
+    """
     home = Path(tmp_path) / "prefect-home"
     home.mkdir(parents=True, exist_ok=True)
     log_path = home / "server.log"
@@ -102,6 +108,8 @@ def start_prefect_server(tmp_path: Path, *, startup_timeout: float = 90.0) -> It
     env.update(_SERVER_SETTINGS)
     env["PREFECT_HOME"] = str(home)
     env["PREFECT_API_DATABASE_CONNECTION_URL"] = f"sqlite+aiosqlite:///{home / 'prefect.db'}"
+    if auth_string:
+        env["PREFECT_SERVER_API_AUTH_STRING"] = auth_string
     command = [
         sys.executable, "-m", "prefect", "server", "start",
         "--host", "127.0.0.1", "--port", str(port), "--no-ui", "--analytics-off",
@@ -111,7 +119,7 @@ def start_prefect_server(tmp_path: Path, *, startup_timeout: float = 90.0) -> It
             command, env=env, stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,
         )
-    server = PrefectServer(api_url=api_url, home=home, log_path=log_path, process=process)
+    server = PrefectServer(api_url=api_url, home=home, log_path=log_path, process=process, auth_string=auth_string)
     try:
         deadline = time.monotonic() + startup_timeout
         while not _healthy(api_url):

@@ -9,8 +9,8 @@ import threading
 from pathlib import Path
 
 import pytest
-
 from builders import leftovers, make_export, tree_digest
+
 from mergeflow.flows.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[1]

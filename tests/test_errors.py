@@ -6,9 +6,8 @@ import pickle
 
 import pytest
 
-from mergeflow import errors as E
-
 import mergeflow.tasks as tasks_package
+from mergeflow import errors as E
 
 
 class _State:

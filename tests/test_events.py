@@ -14,10 +14,15 @@ from typing import Any
 from uuid import UUID
 
 import pytest
+from prefect_server import PrefectServer, free_port
 
 from mergeflow.errors import EventError, UsageError
-from mergeflow.events import EVENT_CHECKPOINT_SAVED, build_checkpoint_event, checkpoint_resource_id, checkpoint_saved
-from prefect_server import PrefectServer, free_port
+from mergeflow.events import (
+    EVENT_CHECKPOINT_SAVED,
+    build_checkpoint_event,
+    checkpoint_resource_id,
+    checkpoint_saved,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 

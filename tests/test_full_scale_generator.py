@@ -26,8 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
 import flux_full_scale as gen  # noqa: E402
-
 from builders import output_state  # noqa: E402
+
 from mergeflow.demo.checkpoints import save_fsdp_checkpoint  # noqa: E402
 from mergeflow.demo.tiny_transformers import TINY_TRANSFORMER_CONFIGS  # noqa: E402
 

@@ -14,15 +14,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hub_server import LocalHubServer
 from huggingface_hub import HfApi, constants
 from huggingface_hub.hf_api import RepoFile, RepoFolder
 from huggingface_hub.utils import close_session
-from hub_server import LocalHubServer
 from safetensors.numpy import save_file
 
-from mergeflow.errors import UploadAuthError, UploadError, UploadTransientError, UploadVerificationError
-from mergeflow.hub.upload import MANIFEST_NAME, upload_artifact, verify_upload
+from mergeflow.errors import (
+    UploadAuthError,
+    UploadError,
+    UploadTransientError,
+    UploadVerificationError,
+)
 from mergeflow.hub.retry import call_with_retries
+from mergeflow.hub.upload import MANIFEST_NAME, upload_artifact, verify_upload
 
 # huggingface_hub's own LFS PUT passes a file object as `data=`, which httpx2 deprecates; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>' to upload raw bytes:DeprecationWarning")

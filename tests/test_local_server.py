@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 import httpx
-
 from builders import make_export
+
 from mergeflow.flows import local_server
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,10 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, WanTransformer3DModel
+from diffusers import (
+    FluxTransformer2DModel,
+    SD3Transformer2DModel,
+    WanTransformer3DModel,
+)
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors import safe_open
 from safetensors.torch import save_file
+from ulps import operand_ulps
 
 from mergeflow.errors import CheckpointError, LoraError
 from mergeflow.lora.config import (
@@ -57,7 +62,6 @@ from mergeflow.lora.keys import (
     target_modules,
 )
 from mergeflow.lora.math import check_adapter_shapes, fuse_bias, fuse_weight
-from ulps import operand_ulps
 
 ConfigFactory = Callable[[str], LoraConfig]
 

@@ -9,15 +9,15 @@ from pathlib import Path
 import diffusers
 import pytest
 import torch
+from builders import assert_bit_exact, leftovers, output_state
+from lora_builders import ATTN_TARGETS, LoraCheckpoint, build_lora_checkpoint
 from peft import LoraConfig, PeftModel
 from safetensors import safe_open
 
-from builders import assert_bit_exact, leftovers, output_state
-from lora_builders import ATTN_TARGETS, LoraCheckpoint, build_lora_checkpoint
 from mergeflow import merge_model, validate_artifact
-from mergeflow.errors import LoraError, UsageError, ArtifactInvalidError
-from mergeflow.lora.export import DIFFUSERS_METADATA_KEY
 from mergeflow.demo.checkpoints import run_tiny_forward
+from mergeflow.errors import ArtifactInvalidError, LoraError, UsageError
+from mergeflow.lora.export import DIFFUSERS_METADATA_KEY
 
 # PEFT and Diffusers warn about tiny models (unmatched patterns, adapter dtype casts); huggingface_hub's LFS PUT
 # passes a file object as `data=`, which httpx deprecates.
@@ -207,10 +207,9 @@ def test_lora_only_base_must_be_local_or_a_hub_id(tmp_path: Path, prefect_api: o
 def test_adapter_only_upload_publishes_the_adapter_directory(
     tmp_path: Path, prefect_api: object, flux_lora_only: LoraCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from hub_server import LocalHubServer
     from huggingface_hub import constants
     from huggingface_hub.utils import close_session
-
-    from hub_server import LocalHubServer
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # the suite runs offline; this server is local
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)

@@ -10,15 +10,20 @@ from pathlib import Path
 import diffusers
 import pytest
 import torch
-from peft import LoraConfig, PeftModel
-
 from builders import assert_bit_exact, leftovers, make_export, output_state
-from lora_builders import ATTN_TARGETS, LoraCheckpoint, build_lora_checkpoint, keep_lora_only
-from mergeflow import merge_model, validate_artifact
-from mergeflow.errors import CheckpointError, LoraError, UsageError
-from mergeflow.demo.checkpoints import run_tiny_forward
+from lora_builders import (
+    ATTN_TARGETS,
+    LoraCheckpoint,
+    build_lora_checkpoint,
+    keep_lora_only,
+)
+from peft import LoraConfig, PeftModel
 from rank_tools import rewrite_rank
 from ulps import operand_ulps
+
+from mergeflow import merge_model, validate_artifact
+from mergeflow.demo.checkpoints import run_tiny_forward
+from mergeflow.errors import CheckpointError, LoraError, UsageError
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::RuntimeWarning")
 

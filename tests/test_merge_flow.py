@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from builders import assert_bit_exact, leftovers, make_export, output_state, tree_digest
+
 from mergeflow import merge_model, validate_artifact
-from mergeflow.errors import ArtifactInvalidError
 from mergeflow.demo.checkpoints import run_tiny_forward
+from mergeflow.errors import ArtifactInvalidError
 from mergeflow.export.reconstruct import RankStates
 
 CLASSES = [

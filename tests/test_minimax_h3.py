@@ -9,9 +9,12 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
-import mergeflow.architectures.minimax_h3 as product_conversion
+from fixtures.minimax_h3 import (
+    build_minimax_h3_modular,
+    build_minimax_h3_native,
+    native_tensor_shapes,
+    reference_native_state_dict,
+)
 from pipeline_builders import (
     Exported,
     assert_copied_unchanged,
@@ -21,15 +24,12 @@ from pipeline_builders import (
     make_actor,
     refused,
 )
+from safetensors.torch import load_file, save_file
+
+import mergeflow.architectures.minimax_h3 as product_conversion
 from mergeflow import validate_artifact
-from mergeflow.errors import SchemaMismatchError
 from mergeflow.demo.checkpoints import build_transformer
-from fixtures.minimax_h3 import (
-    build_minimax_h3_modular,
-    build_minimax_h3_native,
-    native_tensor_shapes,
-    reference_native_state_dict,
-)
+from mergeflow.errors import SchemaMismatchError
 
 H3 = "MiniMaxH3Transformer3DModel"
 
@@ -87,7 +87,9 @@ def test_native_export_equals_the_reference_conversion(
 
 def test_native_weights_convert_back_and_run_like_the_actor(native: Exported, tmp_path: Path, prefect_server: Any, prefect_api: Any) -> None:
     from diffusers import MiniMaxH3Transformer3DModel
-    from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_checkpoint_to_diffusers
+    from diffusers.loaders.single_file_utils import (
+        convert_minimax_h3_transformer_checkpoint_to_diffusers,
+    )
 
     item = export(prefect_server, Exported(native.base, native.actor_dir, native.actor), tmp_path / "out")
     assert item.out is not None

@@ -13,6 +13,7 @@ from mergeflow.errors import ConcurrentExportError, EventError, UsageError
 from mergeflow.events import build_checkpoint_event
 from mergeflow.flows.checkpoint import resolve_checkpoint_config
 from mergeflow.flows.cli import main
+from mergeflow.io.confinement import Confinement
 from mergeflow.io.fs import TargetLock
 from mergeflow.io.paths import lock_path_for, staging_dir_for
 from mergeflow.io.staging import (
@@ -64,18 +65,24 @@ def test_trigger_passes_the_whole_payload_even_without_optional_keys(tmp_path: P
     assert trigger.match.model_dump()["prefect.resource.id"] == "mergeflow.checkpoint.*"
 
 
+def confined(root: Path, target_root: str = "/exports", *bases: str) -> Confinement:
+    return Confinement.of([str(root)], target_root, ["/models/base", "/b", *bases])
+
+
 def test_event_payload_resolves_against_serve_defaults(tmp_path: Path) -> None:
     actor = actor_dir(tmp_path)
     _, payload = build_checkpoint_event(actor)
-    config = resolve_checkpoint_config(payload, base_model="/models/base", target_root="/exports", dtype="bfloat16",
-                                       hf_upload_path="org/{run_name}-step{step}")
-    assert config.local_dir == str(actor) and config.base_model == "/models/base"
+    config = resolve_checkpoint_config(payload, confinement=confined(tmp_path), base_model="/models/base", target_root="/exports",
+                                       dtype="bfloat16", hf_upload_path="org/{run_name}-step{step}")
+    assert config.local_dir == str(actor.resolve()) and config.base_model == "/models/base"
     assert config.target_dir == "/exports/run-a/global_step_7" and config.dtype == "bfloat16"
     assert config.hf_upload_path == "org/run-a-step7"
-    _, named = build_checkpoint_event(actor, base_model="/other/base", target_dir="/elsewhere/out", run_name="r2", step=9)
-    config = resolve_checkpoint_config(named, base_model="/models/base", target_root="/exports")
-    assert (config.base_model, config.target_dir) == ("/other/base", "/elsewhere/out")
-    assert resolve_checkpoint_config(dict(payload, run_name="r2", step=9), base_model="/b", target_root="/x").target_dir == "/x/r2/global_step_9"
+    _, named = build_checkpoint_event(actor, base_model="/other/base", target_dir="/exports/elsewhere/out", run_name="r2", step=9)
+    config = resolve_checkpoint_config(named, confinement=confined(tmp_path, "/exports", "/other/base"),
+                                       base_model="/models/base", target_root="/exports")
+    assert (config.base_model, config.target_dir) == ("/other/base", "/exports/elsewhere/out")
+    again = resolve_checkpoint_config(dict(payload, run_name="r2", step=9), confinement=confined(tmp_path, "/x"), base_model="/b", target_root="/x")
+    assert again.target_dir == "/x/r2/global_step_9"
 
 
 @pytest.mark.parametrize("payload,defaults,message", [
@@ -89,7 +96,7 @@ def test_event_payload_resolves_against_serve_defaults(tmp_path: Path) -> None:
 ])
 def test_bad_event_payloads_are_refused(payload: dict[str, object], defaults: dict[str, str], message: str) -> None:
     with pytest.raises(UsageError, match=message.replace("{", r"\{").replace("}", r"\}")):
-        resolve_checkpoint_config(payload, **defaults)  # type: ignore[arg-type]
+        resolve_checkpoint_config(payload, confinement=confined(Path("/t"), "/x"), **defaults)  # type: ignore[arg-type]
 
 
 def test_serve_refuses_without_an_api_and_with_bad_paths(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -98,14 +105,22 @@ def test_serve_refuses_without_an_api_and_with_bad_paths(tmp_path: Path, capsys:
     from mergeflow.flows.serve import ServeSettings, serve_deployments
 
     (tmp_path / "base").mkdir()
+    roots = (str(tmp_path),)
     with pytest.raises(UsageError, match="target-root"):
-        ServeSettings(base_model=str(tmp_path / "base"), target_root=str(tmp_path / "absent")).checked()
+        ServeSettings(base_model=str(tmp_path / "base"), target_root=str(tmp_path / "absent"), checkpoint_roots=roots).checked()
     with pytest.raises(UsageError, match="base_model"):
-        ServeSettings(base_model=str(tmp_path / "absent"), target_root=str(tmp_path)).checked()
+        ServeSettings(base_model=str(tmp_path / "absent"), target_root=str(tmp_path), checkpoint_roots=roots).checked()
+    with pytest.raises(UsageError, match="--checkpoint-root is required"):
+        ServeSettings(base_model=str(tmp_path / "base"), target_root=str(tmp_path)).checked()
+    with pytest.raises(UsageError, match="--checkpoint-root .*absent is not a directory"):
+        ServeSettings(base_model=str(tmp_path / "base"), target_root=str(tmp_path), checkpoint_roots=(str(tmp_path / "absent"),)).checked()
+    with pytest.raises(UsageError, match="--allow-base-model"):
+        ServeSettings(base_model=str(tmp_path / "base"), target_root=str(tmp_path), checkpoint_roots=roots,
+                      allowed_base_models=(str(tmp_path / "absent"),)).checked()
     with temporary_settings(restore_defaults={PREFECT_API_URL}):
         with pytest.raises(EventError, match="PREFECT_API_URL"):
-            serve_deployments(ServeSettings(base_model=str(tmp_path / "base"), target_root=str(tmp_path)))
-        code = main(["serve", "--base_model", str(tmp_path / "base"), "--target-root", str(tmp_path)])
+            serve_deployments(ServeSettings(base_model=str(tmp_path / "base"), target_root=str(tmp_path), checkpoint_roots=roots))
+        code = main(["serve", "--base_model", str(tmp_path / "base"), "--target-root", str(tmp_path), "--checkpoint-root", str(tmp_path)])
     assert code == 2 and "PREFECT_API_URL" in capsys.readouterr().err
 
 
@@ -223,7 +238,12 @@ def test_prefect_yaml_entrypoints_and_trigger_match_the_served_ones() -> None:
     import yaml
     from prefect.flows import load_flow_from_entrypoint
 
-    from mergeflow.flows.serve import MERGE_DEPLOYMENT, TRIGGER_NAME, TRIGGER_PARAMETERS, VALIDATE_DEPLOYMENT
+    from mergeflow.flows.serve import (
+        MERGE_DEPLOYMENT,
+        TRIGGER_NAME,
+        TRIGGER_PARAMETERS,
+        VALIDATE_DEPLOYMENT,
+    )
 
     spec = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
     deployments = {d["name"]: d for d in spec["deployments"]}

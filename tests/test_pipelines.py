@@ -12,7 +12,18 @@ from typing import Any
 
 import pytest
 import torch
-
+from fixtures.boogu import (
+    build_boogu_pipeline,
+    load_boogu_pipeline,
+    load_boogu_transformer,
+)
+from fixtures.pipelines_image import (
+    build_flux_pipeline,
+    build_qwenimage_pipeline,
+    build_sd3_pipeline,
+)
+from fixtures.pipelines_video import build_ltx2_pipeline, build_wan_pipeline
+from fixtures.qwen_processor import load_edit_processor
 from pipeline_builders import (
     Exported,
     assert_copied_unchanged,
@@ -22,13 +33,10 @@ from pipeline_builders import (
     make_actor,
     refused,
 )
+
 from mergeflow import validate_artifact
-from mergeflow.errors import BaseModelError, UsageError, ArtifactInvalidError
-from fixtures.boogu import build_boogu_pipeline, load_boogu_pipeline, load_boogu_transformer
 from mergeflow.demo.checkpoints import build_transformer
-from fixtures.pipelines_image import build_flux_pipeline, build_qwenimage_pipeline, build_sd3_pipeline
-from fixtures.pipelines_video import build_ltx2_pipeline, build_wan_pipeline
-from fixtures.qwen_processor import load_edit_processor
+from mergeflow.errors import ArtifactInvalidError, BaseModelError, UsageError
 
 
 @dataclass(frozen=True)

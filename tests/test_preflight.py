@@ -16,8 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
 from builders import Export, make_export
+
 from mergeflow import errors as E
 from mergeflow.export.preflight import _diffusers_exported_names, preflight_merge
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.tensor  # noqa: F401  (torch's loader needs DTensor registered)
+from test_reconstruct import Odd
 
+from mergeflow.demo.checkpoints import build_transformer, save_fsdp_checkpoint
 from mergeflow.errors import CheckpointError, UnsafeCheckpointError
 from mergeflow.formats.rank_files import describe_state, load_rank_state, local_tensor
 from mergeflow.formats.rank_pickle import NotFastReadable, ShardedValue, read_rank_file
-from mergeflow.demo.checkpoints import build_transformer, save_fsdp_checkpoint
-from test_reconstruct import Odd
 
 
 def _torch_state(path: Path) -> dict:

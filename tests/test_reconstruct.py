@@ -6,15 +6,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from builders import assert_bit_exact, output_state
 from torch import nn
 
-from builders import assert_bit_exact, output_state
-from mergeflow.export.layout import chunk_sizes, plan_layouts
-from mergeflow.records import TensorWrite
 from mergeflow.demo.checkpoints import save_fsdp_checkpoint
+from mergeflow.export.layout import chunk_sizes, plan_layouts
 from mergeflow.export.rank_index import index_rank_file
 from mergeflow.export.reconstruct import RankStates, all_finite
 from mergeflow.export.shard_writer import pack_shards, write_shard_file
+from mergeflow.records import TensorWrite
 
 
 class Odd(nn.Module):

@@ -10,48 +10,34 @@ reported), and the trusted-load case that depends on the flow's task cache keys.
 from __future__ import annotations
 
 import errno
-from contextlib import AbstractContextManager
 import json
 import os
 import pickle
 import shutil
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
 import torch
+from builders import (
+    Export,
+    PlainRun,
+    clone_export,
+    expect_refusal,
+    leftovers,
+    make_export,
+    plain_export,
+    tree_digest,
+)
+from builders import assert_nothing_published as _assert_nothing_published
+from rank_tools import replace_rank, rewrite_rank, save_custom_ranks
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Partial, _StridedShard
 
-from builders import Export, PlainRun, clone_export, leftovers, make_export, plain_export, tree_digest
 from mergeflow import errors as E
-from rank_tools import replace_rank, rewrite_rank, save_custom_ranks
 
 FLUX = "FluxTransformer2DModel"
-
-
-def _assert_nothing_published(ex: Export, target: Path, err: Exception, inputs_before: tuple) -> None:
-    assert not target.exists(), "a target was published"
-    staging = getattr(err, "staging_dir", None)
-    left = leftovers(target.parent, f".{target.name}.")
-    assert all(".mergeflow-staging-" in name for name in left), left  # no lock file, no stray files
-    if left:
-        assert staging is not None and Path(staging).name in left, "staging kept but not reported"
-    assert (tree_digest(ex.actor_dir.parent), tree_digest(ex.base_dir)) == inputs_before, "inputs were modified"
-    assert "\n" not in str(err)
-
-
-def expect_refusal(ex: Export, error: type[Exception], match: str | None = None, *, stage: str,
-                   **overrides: object) -> Exception:
-    """Run the export's steps without Prefect; `stage` must refuse with `error`, publishing nothing."""
-    target = Path(str(overrides.pop("target", ex.root / "out")))
-    inputs_before = tree_digest(ex.actor_dir.parent), tree_digest(ex.base_dir)
-    run = PlainRun()
-    with pytest.raises(error, match=match) as info:
-        plain_export(ex.config(target, **overrides), run)
-    assert run.stage == stage, f"refused at step {run.stage!r}, expected at {stage!r}: {info.value}"
-    _assert_nothing_published(ex, target, info.value, inputs_before)
-    return info.value
 
 
 def expect_flow_refusal(ex: Export, error: type[Exception], match: str | None = None, **overrides: object) -> Exception:

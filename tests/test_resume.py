@@ -12,14 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from builders import assert_bit_exact, make_export, output_state, tree_digest
+from prefect_runs import latest_flow_run, shard_states, task_runs
+
 from mergeflow import merge_model, validate_artifact
 from mergeflow.errors import ArtifactInvalidError
 from mergeflow.flows.merge import merge_flow
 from mergeflow.flows.runners import make_task_runner
 from mergeflow.io.staging import list_staging
-from prefect_runs import latest_flow_run, shard_states, task_runs
 
 TESTS = Path(__file__).parent
 SHARD = 60_000  # the tiny Flux (~270 KB) splits into several shards

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from mergeflow.errors import SchemaMismatchError
 from mergeflow.architectures.schema import model_schema
 from mergeflow.demo.tiny_transformers import TINY_TRANSFORMER_CONFIGS
+from mergeflow.errors import SchemaMismatchError
 
 FLUX = "FluxTransformer2DModel"
 

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from builders import assert_bit_exact, make_export, output_state
-from mergeflow import validate_artifact
 from prefect_runs import flow_runs
+
+from mergeflow import validate_artifact
 
 REPO = Path(__file__).resolve().parent.parent
 MERGE = "mergeflow-merge-checkpoint/on-checkpoint"
@@ -77,6 +77,7 @@ def served(tmp_path: Path, prefect_server: Any, prefect_api: Any) -> Iterator[di
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "mergeflow", "serve", "--base_model", str(ex.base_dir), "--target-root", str(root),
+             "--checkpoint-root", str(tmp_path),
              "--output_format", "transformer", "--max_shard_size", "60000"],
             env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )
@@ -155,7 +156,7 @@ def test_prefect_yaml_deploys_with_prefect_deploy_all(tmp_path: Path, prefect_se
 
     asyncio.run(create_pool())
     env = prefect_server.client_env()
-    env.update(MERGEFLOW_BASE_MODEL="/models/base", MERGEFLOW_TARGET_ROOT="/exports")
+    env.update(MERGEFLOW_BASE_MODEL="/models/base", MERGEFLOW_TARGET_ROOT="/exports", MERGEFLOW_CHECKPOINT_ROOT="/checkpoints")
     done = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all", "--prefect-file",
                            "deployments/prefect.yaml"], cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -174,6 +175,8 @@ def test_prefect_yaml_deploys_with_prefect_deploy_all(tmp_path: Path, prefect_se
     assert merge.work_pool_name == "mergeflow" and validate.work_pool_name == "mergeflow"
     assert merge.entrypoint == "mergeflow.flows.checkpoint.merge_checkpoint_flow"
     assert merge.parameters["base_model"] == "/models/base" and merge.parameters["target_root"] == "/exports"
+    assert merge.parameters["checkpoint_roots"] == ["/checkpoints"] and merge.parameters["allowed_base_models"] == []
+    assert validate.parameters == {"within": "/exports"}
     assert len(automations) == 1
     trigger = automations[0].trigger
     assert trigger.expect == {"mergeflow.checkpoint.saved"}

@@ -11,16 +11,21 @@ import pytest
 import torch
 from torch import nn
 
-from mergeflow.errors import CastError, CheckpointError, InputChangedError, ArtifactInvalidError
-from mergeflow.io.fs import FileStamp
-from mergeflow.export.layout import plan_layouts
-from mergeflow.records import ShardPlan, TensorWrite, VerifiedFile
-from mergeflow.io.streamio import BackgroundFlush, HashingWriter
 from mergeflow.demo.checkpoints import save_fsdp_checkpoint
+from mergeflow.errors import (
+    ArtifactInvalidError,
+    CastError,
+    CheckpointError,
+    InputChangedError,
+)
 from mergeflow.export import artifact_check
 from mergeflow.export import shard_writer as write
+from mergeflow.export.layout import plan_layouts
 from mergeflow.export.rank_index import hash_rank_file, index_rank_file
 from mergeflow.export.reconstruct import RankStates, same_bytes
+from mergeflow.io.fs import FileStamp
+from mergeflow.io.streamio import BackgroundFlush, HashingWriter
+from mergeflow.records import ShardPlan, TensorWrite, VerifiedFile
 
 WORLD = 3
 

@@ -16,7 +16,6 @@ import torch.distributed.tensor  # noqa: F401  (lets the safe loader rebuild DTe
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from mergeflow.errors import UsageError
 from mergeflow.demo.checkpoints import (
     TINY_TRANSFORMER_CONFIGS,
     DemoCheckpoint,
@@ -30,6 +29,7 @@ from mergeflow.demo.checkpoints import (
 )
 from mergeflow.demo.sizing import state_dict_bytes
 from mergeflow.demo.tiny_transformers import keeps_fp32
+from mergeflow.errors import UsageError
 
 CLASS_NAMES = sorted(TINY_TRANSFORMER_CONFIGS)
 REQUIRED = {

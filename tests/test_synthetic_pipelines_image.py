@@ -15,9 +15,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-
-from mergeflow.errors import UsageError
 from fixtures.pipelines_image import (
     build_flux_pipeline,
     build_qwenimage_pipeline,
@@ -33,6 +30,9 @@ from fixtures.tokenizers import (
     save_qwen2_tokenizer,
     save_t5_tokenizer,
 )
+from PIL import Image
+
+from mergeflow.errors import UsageError
 
 PROMPT = "A photo of a cat, 4K: high quality!"
 

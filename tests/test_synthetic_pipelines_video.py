@@ -12,12 +12,9 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
-from mergeflow.errors import SchemaMismatchError
 from fixtures.boogu import (
-    build_boogu_pipeline,
     boogu_transformer_instance,
+    build_boogu_pipeline,
     load_boogu_pipeline,
     load_boogu_transformer,
     remote_class,
@@ -39,7 +36,10 @@ from fixtures.pipelines_video import (
     tiny_wan_transformer,
 )
 from fixtures.qwen3vl import load_qwen3vl_processor
+from safetensors.torch import load_file
+
 from mergeflow.demo.tiny_transformers import build_transformer
+from mergeflow.errors import SchemaMismatchError
 
 H3 = "MiniMaxH3Transformer3DModel"
 
@@ -245,7 +245,9 @@ def test_h3_native_transformer_covers_the_native_schema_exactly(h3_native: Path,
 def test_h3_native_weights_invert_to_the_diffusers_ones_with_diffusers_own_converter(
     h3_native: Path, h3_transformer: Any
 ) -> None:
-    from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_checkpoint_to_diffusers
+    from diffusers.loaders.single_file_utils import (
+        convert_minimax_h3_transformer_checkpoint_to_diffusers,
+    )
 
     weights = load_file(h3_native / "transformer" / "model.safetensors")
     back = convert_minimax_h3_transformer_checkpoint_to_diffusers(

@@ -12,11 +12,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from builders import make_export
+
 from mergeflow import merge_model, validate_artifact
-from mergeflow.export.artifact_check import PARALLEL_HASH_MIN_BYTES, check_artifact, check_tree_and_hashes
 from mergeflow.errors import ArtifactInvalidError
+from mergeflow.export.artifact_check import (
+    PARALLEL_HASH_MIN_BYTES,
+    check_artifact,
+    check_tree_and_hashes,
+)
 from mergeflow.io.paths import staging_dir_for
 
 REPO = Path(__file__).resolve().parents[1]

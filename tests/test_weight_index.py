@@ -10,7 +10,12 @@ import torch
 from safetensors.torch import save_file
 
 from mergeflow.errors import ArtifactInvalidError, BaseModelError, PathSafetyError
-from mergeflow.formats.weight_index import read_stored_tensor, read_weight_headers, read_weight_map, read_weights
+from mergeflow.formats.weight_index import (
+    read_stored_tensor,
+    read_weight_headers,
+    read_weight_map,
+    read_weights,
+)
 
 NAME = "diffusion_pytorch_model.safetensors"
 INDEX = f"{NAME}.index.json"

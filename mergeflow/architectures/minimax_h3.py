@@ -17,6 +17,7 @@ from mergeflow.architectures.adapters import (
     BaseWeights,
     TrainedSchema,
 )
+from mergeflow.config import QKV_LAYOUTS
 from mergeflow.errors import BaseModelError, LoraError, SchemaMismatchError
 from mergeflow.io.jsonfiles import JsonObject
 
@@ -30,7 +31,6 @@ NATIVE_CLASS = "MiniMaxH3DiTModel"
 DIFFUSERS_CLASS = "MiniMaxH3Transformer3DModel"
 INV_FREQ = "rope.inv_freq"
 DEFAULT_THETA = 10000.0
-QKV_LAYOUTS = ("interleaved", "stacked")
 
 # Diffusers constructor field -> native config field.
 CONFIG_RENAMES = {

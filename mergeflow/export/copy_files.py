@@ -14,14 +14,14 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from mergeflow.errors import DiskFullError, InputChangedError
+from mergeflow.errors import InputChangedError
 from mergeflow.io.config_paths import is_config_json, strip_local_paths
 from mergeflow.io.faults import durable_write_point
 from mergeflow.io.fs import FileStamp, is_plain_file, sha256_file
+from mergeflow.io.interrupt import raise_if_stopped
 from mergeflow.io.jsonfiles import write_bytes_durable
+from mergeflow.io.os_errors import typed_os_error
 from mergeflow.records import CopyResult, FileRecord, MergePlan
-
-_DISK_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
 
 
 def _open_source(path: Path) -> int:
@@ -41,6 +41,9 @@ def _temp_name(work: Path, rel: str) -> Path:
     return work / f"copy-{hashlib.sha256(rel.encode()).hexdigest()[:16]}-{os.getpid()}.partial"
 
 
+_COPY_CHUNK = 256 << 20
+
+
 def _copy_bytes(src: Path, dst: Path, tmp: Path) -> None:
     """Kernel-side copy (sendfile) of a plain file into a temp name, fsynced, then renamed into place."""
     fd_in = _open_source(src)
@@ -50,7 +53,8 @@ def _copy_bytes(src: Path, dst: Path, tmp: Path) -> None:
         try:
             offset = 0
             while offset < size:
-                sent = os.sendfile(fd_out, fd_in, offset, size - offset)
+                raise_if_stopped()  # between bounded chunks: a multi-GB text encoder stops within a second
+                sent = os.sendfile(fd_out, fd_in, offset, min(size - offset, _COPY_CHUNK))
                 if sent == 0:
                     raise InputChangedError(f"base file {src.name} shrank during the export")
                 offset += sent
@@ -59,7 +63,7 @@ def _copy_bytes(src: Path, dst: Path, tmp: Path) -> None:
             os.close(fd_out)
     finally:
         os.close(fd_in)
-    durable_write_point()
+    durable_write_point(dst)
     os.replace(tmp, dst)
 
 
@@ -70,6 +74,7 @@ def _digest(path: Path) -> str | None:
 def copy_one(base: Path, artifact: Path, work: Path, rel: str, base_digest: str,
              stamp: FileStamp | None) -> tuple[FileRecord, list[str]]:
     """Copy one base file (configs without local-path keys) and prove the copy's bytes."""
+    raise_if_stopped()  # Ctrl-C / SIGTERM: no new file is started
     src, dst, tmp = base / rel, artifact / rel, _temp_name(work, rel)
     if not is_plain_file(src):
         raise InputChangedError(f"base file {rel} is no longer a plain file")
@@ -113,10 +118,10 @@ def copy_base_files(plan: MergePlan, *, workers: int = 2) -> CopyResult:
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
             results = list(pool.map(one, ordered))
     except OSError as exc:
-        if exc.errno in _DISK_FULL:
-            raise DiskFullError(f"no space left while copying the base's files ({os.strerror(exc.errno)}); "
-                                f"free space on {artifact.parent} and rerun the same command to resume") from None
-        raise
+        typed = typed_os_error(exc, "copying the base's files")
+        if typed is None:
+            raise
+        raise typed from None
     files = tuple(sorted((r for r, _ in results), key=lambda r: r.rel_path))
     removed = {r.rel_path: keys for r, keys in results if keys}
     if removed != plan.conversion.config_changes:  # what the manifest records, decided at inspect

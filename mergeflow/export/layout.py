@@ -78,7 +78,7 @@ def _layout_for(key: str, per_rank: list[TensorEntry], world: int) -> TensorLayo
     if any(e.placements != first.placements or e.mesh_shape != first.mesh_shape for e in per_rank):
         raise ShardLayoutError(f"{key} has different placements or meshes across ranks")
     mesh_shape = first.mesh_shape or (world,)
-    if math.prod(mesh_shape) != world:
+    if any(not isinstance(size, int) or size < 1 for size in mesh_shape) or math.prod(mesh_shape) != world:
         raise ShardLayoutError(f"{key}: device mesh {mesh_shape} does not match world size {world}")
     shard_axes = [i for i, p in enumerate(first.placements) if p.startswith("S")]
     if len(shard_axes) > 1:

@@ -12,10 +12,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mergeflow.architectures.registry import detect_base
-from mergeflow.architectures.schema import read_model_config
+from mergeflow.architectures.schema import (
+    TensorBudget,
+    read_model_config,
+    tensor_budget,
+)
 from mergeflow.config import ModelMergerConfig
-from mergeflow.errors import CheckpointError
+from mergeflow.errors import BaseModelError, CheckpointError, MergeflowError
 from mergeflow.export.preflight import check_output_format, resolve_inputs
+from mergeflow.export.reconstruct import RankStates
 from mergeflow.export.targets import TargetSchema, pipeline_target, transformer_target
 from mergeflow.formats.manifest import fingerprint
 from mergeflow.formats.verl_checkpoint import (
@@ -23,6 +28,7 @@ from mergeflow.formats.verl_checkpoint import (
     rank_file_names,
     read_fsdp_config,
 )
+from mergeflow.formats.zip_records import sha256_and_check_records
 from mergeflow.io.fs import FileStamp, sha256_file
 from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.io.paths import lock_path_for, staging_dir_for
@@ -69,14 +75,18 @@ def build_plan(config: ModelMergerConfig) -> MergePlan:
     fsdp = read_fsdp_config(actor)
     rank_files = rank_file_names(actor, fsdp.world_size)
     # The manifest's rank-file digests: hashed on the idle core while the schema is built.
-    DigestPrefetch.start([actor / name for name in rank_files])
+    DigestPrefetch.start([actor / name for name in rank_files], hasher=sha256_and_check_records)
+    # The tensors the checkpoint really holds bound the meta builds of the schema step, so no config
+    # value can make them run away (rank 0 is parsed already: detect_lora read its keys).
+    held = len(RankStates(actor, (rank_files[0],), trust_checkpoint=config.trust_checkpoint).state(0))
     actor_config_path = paths["config_dir"] / "config.json"
     if adapter_only:
         assert lora is not None
         actor_config = read_model_config(actor_config_path, CheckpointError, "huggingface/config.json of the checkpoint")
-        decided = _adapter_export(config, lora, paths.get("base"), actor_config)
+        with tensor_budget(TensorBudget.for_checkpoint(held, actor_config)):
+            decided = _adapter_export(config, lora, paths.get("base"), actor_config)
     else:
-        decided = _model_export(config, lora, paths["base"], actor_config_path)
+        decided = _model_export(config, lora, paths["base"], actor_config_path, held)
     inputs = [actor / FSDP_CONFIG, actor_config_path] + [actor / n for n in rank_files]
     stamps = {str(p): FileStamp.of(p) for p in inputs}
     stamps.update(decided.stamps)
@@ -102,15 +112,18 @@ def build_plan(config: ModelMergerConfig) -> MergePlan:
     )
 
 
-def _model_export(config: ModelMergerConfig, lora: LoraSpec | None, base: Path, actor_config_path: Path) -> _Decided:
+def _model_export(config: ModelMergerConfig, lora: LoraSpec | None, base: Path, actor_config_path: Path,
+                  held: int) -> _Decided:
     """A pipeline or standalone transformer: the local base's schema, files and (for LoRA) weights."""
     layout = detect_base(base, config.component)
     check_output_format(config, layout)
     actor_config = read_model_config(actor_config_path, CheckpointError, "huggingface/config.json of the checkpoint")
-    if config.output_format == "pipeline":
-        schema = pipeline_target(config, base, actor_config)
-    else:
-        schema = transformer_target(base, layout, actor_config)
+    budget = TensorBudget.for_checkpoint(held, actor_config, _base_config_if_readable(layout.transformer_dir / "config.json"))
+    with tensor_budget(budget):
+        if config.output_format == "pipeline":
+            schema = pipeline_target(config, base, actor_config)
+        else:
+            schema = transformer_target(base, layout, actor_config)
     stamps = dict(schema.base_stamps)
     files = dict(schema.base_files)
     if lora is not None:
@@ -120,6 +133,14 @@ def _model_export(config: ModelMergerConfig, lora: LoraSpec | None, base: Path, 
         lora = lora_inputs.spec
     return _Decided(schema, BaseInputs(base_dir=str(base), kind=layout.kind, component_dir=str(schema.component_dir),  # type: ignore[arg-type]
                                        files=files, copy_files=schema.copy_files), lora, stamps)
+
+
+def _base_config_if_readable(path: Path) -> JsonObject | None:
+    """The base component's config, only to name the differing values in a size refusal; the target step reads it for real."""
+    try:
+        return read_model_config(path, BaseModelError, "config.json of the base")
+    except (MergeflowError, OSError):
+        return None
 
 
 def _adapter_export(config: ModelMergerConfig, lora: LoraSpec, base: Path | None, actor_config: JsonObject) -> _Decided:

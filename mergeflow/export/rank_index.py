@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mergeflow.errors import InputChangedError
+from mergeflow.errors import CheckpointError, InputChangedError
 from mergeflow.export.reconstruct import RankStates
 from mergeflow.formats.rank_files import describe_state
-from mergeflow.io.fs import FileStamp, sha256_file
+from mergeflow.formats.zip_records import sha256_and_check_records
+from mergeflow.io.fs import FileStamp
 from mergeflow.io.prefetch import DigestPrefetch
 from mergeflow.records import RankIndex
 
@@ -25,14 +26,27 @@ def index_rank_file(actor_dir: Path, file_name: str, rank: int, *, trust_checkpo
 
 
 def hash_rank_file(actor_dir: Path, file_name: str, planned: FileStamp | None = None) -> str:
-    """sha256 of one rank file, refused if the file is not the one inspect planned or changes meanwhile."""
+    """sha256 of one rank file, every record checked against its CRC-32 in the same pass.
+
+    Refused if the file is damaged, is not the one inspect planned, or changes meanwhile.
+    """
     path = actor_dir / file_name
     before = FileStamp.of(path)
     if planned is not None and before != planned:
         raise InputChangedError(f"rank file {file_name} changed during the export (after it was planned); rerun once it is stable")
-    # Usually hashed in the background since inspection, for this very stamp (mergeflow.io.prefetch).
-    digest = DigestPrefetch.take(path, before) or sha256_file(path)
+    try:
+        # Usually hashed and checked in the background since inspection, for this very stamp (mergeflow.io.prefetch);
+        # a digest prefetched without the CRC checks is not taken.
+        digest = (DigestPrefetch.take(path, before, hasher=sha256_and_check_records)
+                  or sha256_and_check_records(path))
+    except CheckpointError:
+        _unchanged_while_hashed(path, file_name, before)  # a file being rewritten is changing, not damaged
+        raise
+    _unchanged_while_hashed(path, file_name, before)
+    return digest
+
+
+def _unchanged_while_hashed(path: Path, file_name: str, before: FileStamp) -> None:
     if FileStamp.of(path) != before:
         raise InputChangedError(f"rank file {file_name} changed during the export, while it was hashed; "
                                 "wait until training has finished saving")
-    return digest

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import warnings
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from mergeflow.errors import CheckpointError, DiskFullError
+from mergeflow.errors import CheckpointError
 from mergeflow.export.progress import WRITE_PROGRESS
 from mergeflow.export.readback import FollowingReadBack, read_exact
 from mergeflow.export.reconstruct import (
@@ -36,7 +35,9 @@ from mergeflow.formats.safetensors_format import (
 from mergeflow.io.config_paths import strip_local_paths
 from mergeflow.io.faults import durable_write_point
 from mergeflow.io.fs import FileStamp, sha256_file
+from mergeflow.io.interrupt import raise_if_stopped
 from mergeflow.io.jsonfiles import write_bytes_durable, write_json_durable
+from mergeflow.io.os_errors import typed_os_error
 from mergeflow.io.staging import file_stamp
 from mergeflow.io.streamio import BackgroundFlush, HashingWriter
 from mergeflow.lora.fuse import transformed_tensor, verify_transformed
@@ -92,20 +93,15 @@ def _as_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
-_DISK_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
-
-
 def write_shard_file(shard: ShardPlan, states: RankStates, artifact_dir: Path, work_dir: Path) -> ShardRecord:
     """Write one shard (or reuse a verified one from an earlier attempt) and round-trip verify it."""
     try:
         return _write_shard_file(shard, states, artifact_dir, work_dir)
     except OSError as exc:
-        if exc.errno in _DISK_FULL:
-            raise DiskFullError(
-                f"no space left while writing {shard.file_name} ({os.strerror(exc.errno)}); free space on "
-                f"{artifact_dir.parent} and rerun the same command to resume"
-            ) from None
-        raise
+        typed = typed_os_error(exc, f"writing {shard.file_name}")
+        if typed is None:
+            raise
+        raise typed from None
 
 
 def _write_shard_file(shard: ShardPlan, states: RankStates, artifact_dir: Path, work_dir: Path) -> ShardRecord:
@@ -136,7 +132,7 @@ def _write_shard_file(shard: ShardPlan, states: RankStates, artifact_dir: Path, 
     finally:
         flush.join()
         os.close(fd)
-    durable_write_point()
+    durable_write_point(final)
     os.replace(partial, final)
     record = ShardRecord(
         file_name=shard.file_name,
@@ -161,6 +157,7 @@ def _stream_shard(fd: int, header: bytes, entries: dict[str, HeaderEntry], order
     try:
         writer.write(memoryview(header))
         for tw in ordered:
+            raise_if_stopped()  # Ctrl-C / SIGTERM: stop between tensors, keep the finished shards
             # A transform (LoRA fusion) computes the tensor from its sources; otherwise stream the rank pieces.
             streamed = tw.transform is None and is_streamed(tw.layout, tw.out_dtype)
             cast_pieces = tw.transform is None and is_cast_in_rank_order(tw.layout, tw.out_dtype)
@@ -175,6 +172,7 @@ def _stream_shard(fd: int, header: bytes, entries: dict[str, HeaderEntry], order
                     pieces = list(pieces)  # kept until the read-back has compared them with the file
             written = 0
             for piece in pieces:
+                raise_if_stopped()
                 written += writer.write(_as_bytes(piece))
             if written != entries[tw.name].end - entries[tw.name].begin:
                 raise CheckpointError(f"{tw.name}: wrote {written} bytes, expected {entries[tw.name].end - entries[tw.name].begin}")

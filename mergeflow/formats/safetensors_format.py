@@ -72,6 +72,10 @@ def build_header(tensors: list[tuple[str, str, tuple[int, ...]]], metadata: dict
     return struct.pack("<Q", len(text)) + text, entries
 
 
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def read_header(path: Path) -> tuple[dict[str, HeaderEntry], dict[str, str], int]:
     """Parse and check a safetensors header: (entries, metadata, data section start)."""
     size = path.stat().st_size
@@ -96,6 +100,10 @@ def read_header(path: Path) -> tuple[dict[str, HeaderEntry], dict[str, str], int
             dtype = TAG_TO_NAME[tag]
         except (KeyError, TypeError, ValueError):
             raise ArtifactInvalidError(f"{path.name}: malformed header entry for {name!r}") from None
+        # JSON gives any type: a string shape or offsets must be refused here, not fail in arithmetic.
+        if not all(_is_count(v) for v in (*shape, begin, end)):
+            raise ArtifactInvalidError(f"{path.name}: header entry for {name!r} has a shape or offsets that are not "
+                                       "non-negative integers")
         if end - begin != nbytes(dtype, shape) or begin < 0:
             raise ArtifactInvalidError(f"{path.name}: {name} has offsets {begin}..{end} that do not match {tag}{list(shape)}")
         entries[name] = HeaderEntry(dtype, shape, begin, end)

@@ -12,6 +12,10 @@ from mergeflow.io.jsonfiles import read_json_strict
 RANK_FILE_RE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 STEP_DIR_RE = re.compile(r"global_step_(\d+)")  # verl's `global_step_N/actor` checkpoint directories
 FSDP_CONFIG = "fsdp_config.json"
+# Far beyond any training run (the largest have some 100,000 GPUs). Only a cheap early refusal of a
+# damaged fsdp_config.json: nothing mergeflow does grows with world_size before it is checked
+# against the rank files present.
+MAX_WORLD_SIZE = 1 << 20
 LORA_META = "lora_train_meta.json"
 
 
@@ -28,7 +32,7 @@ def _strict_int(value: object) -> bool:
 
 
 def read_fsdp_config(actor_dir: Path) -> FsdpConfig:
-    """Parse fsdp_config.json strictly: an object with integer FSDP_version (1|2) and world_size >= 1."""
+    """Parse fsdp_config.json strictly: an object with integer FSDP_version (1|2) and 1 <= world_size <= MAX_WORLD_SIZE."""
     data = read_json_strict(actor_dir / FSDP_CONFIG, CheckpointError, FSDP_CONFIG)
     if not isinstance(data, dict):
         raise CheckpointError(f"{FSDP_CONFIG} must be a JSON object like {{\"FSDP_version\": 2, \"world_size\": 4}}")
@@ -41,6 +45,9 @@ def read_fsdp_config(actor_dir: Path) -> FsdpConfig:
         raise CheckpointError(f"{FSDP_CONFIG}: FSDP_version must be 1 or 2, got {data['FSDP_version']}")
     if data["world_size"] < 1:
         raise CheckpointError(f"{FSDP_CONFIG}: world_size must be >= 1, got {data['world_size']}")
+    if data["world_size"] > MAX_WORLD_SIZE:
+        raise CheckpointError(f"{FSDP_CONFIG}: world_size {data['world_size']} is beyond any real run (at most "
+                              f"{MAX_WORLD_SIZE:,} ranks); the file is damaged: copy it again from the training run")
     return FsdpConfig(version=data["FSDP_version"], world_size=data["world_size"])
 
 
@@ -55,26 +62,53 @@ def rank_file_name(world_size: int, rank: int) -> str:
 
 
 def rank_file_names(actor_dir: Path, world_size: int) -> list[str]:
-    """The rank files for `world_size`, in rank order; any missing or stale file is an error."""
+    """The rank files for `world_size`, in rank order; any missing or stale file is an error.
+
+    Work and memory follow the files actually present, never `world_size` (an input): a
+    world size larger than the directory's rank-file count is reported as missing files
+    from the names that are there.
+    """
     if not actor_dir.is_dir():
         raise CheckpointError(f"--local_dir {actor_dir} is not a directory")
-    expected = [rank_file_name(world_size, r) for r in range(world_size)]
     present = {p.name for p in actor_dir.iterdir() if RANK_FILE_RE.match(p.name)}
-    missing = [name for name in expected if name not in present]
-    if missing:
-        shown = ", ".join(missing[:3]) + (" ..." if len(missing) > 3 else "")
+    found = {name for name in present if _is_rank_file_of(name, world_size)}
+    if len(found) < world_size:
+        missing = world_size - len(found)
+        shown = ", ".join(_first_missing(found, world_size, 3)) + (" ..." if missing > 3 else "")
         raise CheckpointError(
-            f"{len(missing)} rank file(s) of world size {world_size} are missing ({shown}); "
+            f"{missing} rank file(s) of world size {world_size} are missing ({shown}); "
             "the checkpoint is incomplete or still being written"
         )
-    unexpected = sorted(present - set(expected))
+    unexpected = sorted(present - found)
     if unexpected:
         raise CheckpointError(
             f"unexpected rank file(s) {', '.join(unexpected[:3])} for world size {world_size} "
             f"(stale files from another run?); remove them or fix {FSDP_CONFIG}"
         )
+    expected = [rank_file_name(world_size, r) for r in range(world_size)]  # world_size == len(found) here
     for name in expected:
         path = actor_dir / name
         if path.is_symlink() or not path.is_file():
             raise CheckpointError(f"rank file {name} is not a regular file")
     return expected
+
+
+def _first_missing(found: set[str], world_size: int, limit: int) -> list[str]:
+    """The first `limit` rank-file names of `world_size` not in `found`: at most len(found) + limit probes."""
+    missing: list[str] = []
+    rank = 0
+    while len(missing) < limit and rank < world_size:
+        name = rank_file_name(world_size, rank)
+        if name not in found:
+            missing.append(name)
+        rank += 1
+    return missing
+
+
+def _is_rank_file_of(name: str, world_size: int) -> bool:
+    """`name` is exactly the canonical name of one rank of `world_size` (no leading zeros)."""
+    match = RANK_FILE_RE.match(name)
+    if match is None or int(match.group(1)) != world_size:
+        return False
+    rank = int(match.group(2))
+    return rank < world_size and name == rank_file_name(world_size, rank)

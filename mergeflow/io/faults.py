@@ -1,23 +1,37 @@
-"""A test hook that stops the process dead at its Nth durable write: kill -9 at every write site.
+"""Test hooks that fail the process at its Nth durable write: kill -9, or a full disk, at every write site.
 
 `MERGEFLOW_FAULT_KILL_AT_WRITE=N` makes the Nth call of `durable_write_point` (counted per
 process, in the order the writes happen) send SIGKILL to the process, after the new bytes are
 on disk under their temporary name and before they are renamed into place: the moment a crash
-hurts most. Without the variable this is one environment lookup per file written.
+hurts most. `MERGEFLOW_FAULT_FULL_AT_WRITE=N` makes that write fail as a full disk does
+(OSError ENOSPC naming the file), leaving its temporary file behind as a real one would.
+Without the variables this is two environment lookups per file written.
 """
 
 from __future__ import annotations
 
-import itertools
+import errno
 import os
 import signal
 
-_ENV = "MERGEFLOW_FAULT_KILL_AT_WRITE"
-_counter = itertools.count(1)
+_KILL_ENV = "MERGEFLOW_FAULT_KILL_AT_WRITE"
+_FULL_ENV = "MERGEFLOW_FAULT_FULL_AT_WRITE"
+# Counted per setting: a test that sets a new N in the same process starts again from 1.
+_seen: dict[tuple[str, str], int] = {}
 
 
-def durable_write_point() -> None:
-    """Called by every durable write just before its rename."""
-    target = os.environ.get(_ENV)
-    if target and next(_counter) == int(target):
+def _hit(env: str) -> bool:
+    target = os.environ.get(env)
+    if not target:
+        return False
+    key = (env, target)
+    _seen[key] = _seen.get(key, 0) + 1
+    return _seen[key] == int(target)
+
+
+def durable_write_point(path: os.PathLike[str] | str | None = None) -> None:
+    """Called by every durable write just before its rename (`path`: the file being written)."""
+    if _hit(_KILL_ENV):
         os.kill(os.getpid(), signal.SIGKILL)
+    if _hit(_FULL_ENV):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path) if path is not None else None)

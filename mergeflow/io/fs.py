@@ -12,7 +12,13 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from mergeflow.errors import ConcurrentExportError, PathSafetyError, TargetExistsError
+from mergeflow.errors import (
+    ConcurrentExportError,
+    FileAccessError,
+    PathSafetyError,
+    TargetExistsError,
+)
+from mergeflow.io.os_errors import DISK_FULL, typed_os_error
 
 # Measured on 2 cores: a 1 MiB buffer (it stays in L2 between read and hash) hashes a few percent
 # faster than 8 MiB, and each update still releases the GIL, so threads hash files in parallel.
@@ -98,6 +104,15 @@ def make_readable(root: Path) -> None:
             os.chmod(os.path.join(dirpath, name), 0o644)
 
 
+def _cannot_create(path: Path, exc: OSError) -> Exception:
+    """The lock is the first file an export creates beside its target: say why that directory cannot take one."""
+    if exc.errno in DISK_FULL:
+        return typed_os_error(exc, "creating the target's lock file") or exc
+    return FileAccessError(
+        f"cannot create files in {path.parent} ({os.strerror(exc.errno or 0)}); choose a --target_dir in a writable "
+        "directory of a regular filesystem (not /proc or /sys)")
+
+
 class TargetLock:
     """An exclusive flock beside the target: two exports of one target never overlap.
 
@@ -111,7 +126,10 @@ class TargetLock:
 
     def acquire(self) -> "TargetLock":
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:
+                raise _cannot_create(self.path, exc) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -126,8 +144,14 @@ class TargetLock:
                 same = False
             if same:
                 # A killed holder leaves its pid behind (the kernel drops its flock, not the file).
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                try:
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                except OSError:
+                    # A full disk: no lock file may stay behind a refusal.
+                    self._fd = fd
+                    self.release()
+                    raise
                 self._fd = fd
                 return self
             os.close(fd)

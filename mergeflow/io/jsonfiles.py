@@ -60,6 +60,8 @@ def parse_json_strict(raw: str | bytes, error: type[MergeflowError], what: str, 
         return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant if finite else None)
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, a duplicate key, a non-finite constant
         raise error(f"{what} is not valid JSON: {exc}") from None
+    except RecursionError:  # thousands of nested brackets: no config is shaped like that
+        raise error(f"{what} is nested too deeply to be a real config") from None
 
 
 def dumps_canonical(obj: Any, indent: int | None = 2) -> str:
@@ -97,5 +99,5 @@ def write_bytes_durable(path: Path, data: bytes, tmp: Path | None = None) -> Non
         handle.flush()
         os.fsync(handle.fileno())
     os.chmod(tmp, 0o644)
-    durable_write_point()
+    durable_write_point(path)
     os.replace(tmp, path)

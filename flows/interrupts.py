@@ -1,0 +1,100 @@
+"""Ctrl-C and SIGTERM for the command line: one stop, one line, exit 130/143, never an abort.
+
+The first SIGINT or SIGTERM asks every write loop to stop (mergeflow.io.interrupt) and raises
+one `Interrupted` in the main thread, which unwinds the flow (Prefect marks the run crashed).
+Later signals only repeat the request: a second exception raised into the middle of the
+cleanup is what used to abort the process ("terminate called without an active exception").
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import FrameType
+
+from mergeflow.io.interrupt import request_stop, stop_requested
+from mergeflow.io.paths import STAGING_MARKER
+
+# Exit status of a process ended by a signal, as shells report it: 128 + signal number.
+EXIT_STATUS = {signal.SIGINT: 130, signal.SIGTERM: 143}
+# After the line is printed, normal interpreter exit (worker threads, Prefect's final sends)
+# gets this long before the process ends itself.
+EXIT_GRACE_S = 10.0
+
+
+class Interrupted(KeyboardInterrupt):
+    """The first SIGINT or SIGTERM; a KeyboardInterrupt, so every layer unwinds as for Ctrl-C."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+_received: list[int] = []  # the signals this process got, first first
+
+
+def _on_signal(signum: int, frame: FrameType | None) -> None:
+    _received.append(signum)
+    if stop_requested():
+        return  # already stopping: never a second exception in the middle of the cleanup
+    request_stop()
+    raise Interrupted(signum)
+
+
+@contextmanager
+def interrupts_stop_the_export() -> Iterator[None]:
+    """Install the handlers for the duration of a command (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, _on_signal) for sig in EXIT_STATUS}
+    try:
+        yield
+    finally:
+        if not stop_requested():  # once stopping, Python's default handler must not come back for the exit
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def first_signal(exc: BaseException | None = None) -> int | None:
+    """The signal that stopped this command: the exception's, else the first one received."""
+    if isinstance(exc, Interrupted):
+        return exc.signum
+    if _received:
+        return _received[0]
+    return signal.SIGINT if isinstance(exc, KeyboardInterrupt) else None
+
+
+def exit_status_of(signum: int) -> int:
+    return EXIT_STATUS.get(signal.Signals(signum), 128 + signum)
+
+
+def kept_staging(target_dir: str | None) -> list[Path]:
+    """The staging directories kept beside `target_dir` (what a rerun resumes)."""
+    if not target_dir:
+        return []
+    target = Path(target_dir).expanduser().absolute()
+    try:
+        return sorted(p for p in target.parent.glob(f".{target.name}{STAGING_MARKER}*") if p.is_dir())
+    except OSError:
+        return []
+
+
+def interrupted_line(signum: int, target_dir: str | None) -> str:
+    name = signal.Signals(signum).name
+    kept = kept_staging(target_dir)
+    where = f"; work kept for resume in {kept[-1]} (rerun the same command to resume)" if kept else ""
+    return f"mergeflow: interrupted ({name}); nothing was published{where}"
+
+
+def end_soon(status: int) -> None:
+    """Make sure the process ends with `status` even if a worker or Prefect's exit hooks hang."""
+    for sig in EXIT_STATUS:
+        signal.signal(sig, signal.SIG_IGN)  # the line is printed; more Ctrl-C changes nothing
+    timer = threading.Timer(EXIT_GRACE_S, os._exit, (status,))
+    timer.daemon = True
+    timer.start()

@@ -1,0 +1,69 @@
+"""Ctrl-C (once or twice) and SIGTERM during a real CLI export: one line, 130/143, work kept, a rerun publishes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from builders import make_export
+
+from mergeflow.export.artifact_check import check_artifact
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+
+
+def merge_args(ex: Any, target: Path) -> list[str]:
+    return ["merge", "--backend", "fsdp", "--local_dir", str(ex.actor_dir), "--base_model", str(ex.base_dir),
+            "--target_dir", str(target), "--output_format", "transformer", "--max_shard_size", "60000"]
+
+
+@pytest.mark.parametrize("signum,times,status", [(signal.SIGINT, 1, 130), (signal.SIGINT, 2, 130), (signal.SIGTERM, 1, 143)],
+                         ids=["ctrl-c", "ctrl-c-twice", "sigterm"])
+def test_an_interrupted_export_ends_with_one_line_and_resumes(tmp_path: Path, prefect_server: Any, signum: int, times: int,
+                                                              status: int) -> None:
+    ex = make_export(tmp_path, "FluxTransformer2DModel", 2)
+    target = tmp_path / "out"
+    env = dict(prefect_server.client_env(), PYTHONPATH=str(REPO))
+    # Every written tensor slowed down (tests/slow_cli.py), so the signal lands mid-write.
+    proc = subprocess.Popen([sys.executable, str(TESTS / "slow_cli.py"), "0.15", *merge_args(ex, target)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            if list(tmp_path.glob(".out.mergeflow-staging-*/work/shard-*.json")):
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, f"finished before the signal: {proc.communicate()[1][-2000:]!r}"
+        sent = time.monotonic()
+        for _ in range(times):
+            os.kill(proc.pid, signum)
+            time.sleep(0.2)
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    text = err.decode(errors="replace")
+    assert proc.returncode == status, text[-3000:]
+    assert took < 15, f"took {took:.1f} s to stop"
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert all(line.startswith("mergeflow: ") for line in lines), text[-3000:]  # no traceback, no abort message
+    name = signal.Signals(signum).name
+    assert lines[-1].startswith(f"mergeflow: interrupted ({name}); nothing was published; work kept for resume in "), lines[-1]
+    kept = Path(lines[-1].split("work kept for resume in ")[1].split(" (rerun")[0])
+    assert kept.is_dir() and kept.parent == tmp_path and not target.exists()
+    if times == 1:
+        return  # the resume after a kill is proven elsewhere (test_resume, test_crash_recovery); once here
+    rerun = subprocess.run([sys.executable, "-m", "mergeflow", *merge_args(ex, target)], env=env,
+                           capture_output=True, text=True, timeout=240)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert check_artifact(str(target))["integrity"] == "passed"
+    assert not kept.exists()
