@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import logging
 import os
 import threading
@@ -12,9 +14,6 @@ from mergeflow.events import EVENT_CHECKPOINT_SAVED, build_checkpoint_event
 from mergeflow.io.jsonfiles import JsonObject
 
 DEFAULT_DELIVERY_TIMEOUT = 30.0
-# Prefect's queue services swallow delivery errors and report them only as ERROR records
-# on this logger (e.g. "Service 'EventsWorker' failed with 1 pending items.").
-_PREFECT_SERVICE_LOGGER = "prefect._internal.concurrency"
 
 _EMIT_LOCK = threading.Lock()
 
@@ -79,35 +78,38 @@ def _access_denied(client: Any) -> str | None:
     return None
 
 
-class _ServiceFailures(logging.Handler):
-    """Collects the ERROR records the events worker logs instead of raising."""
+def _send_confirmed(event: Any, timeout: float) -> BaseException | None:
+    """Send `event` on its own websocket and wait for the server's pong; the failure, or None.
 
-    def __init__(self) -> None:
-        super().__init__(level=logging.ERROR)
-        self.messages: list[str] = []
+    Not Prefect's background events worker: it reports a failed send only as a log record,
+    and draining it right after `emit_event` can return before its thread has even started
+    (a busy machine), so an undelivered event looked sent. A ping after the send (one
+    checkpoint per event) returns only once the server has read everything sent before it.
+    """
+    from prefect.events.clients import get_events_client
 
-    def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
-        if "EventsWorker" in message:
-            self.messages.append(message)
+    async def send() -> None:
+        async with get_events_client(reconnection_attempts=2, checkpoint_every=1) as client:
+            await client.emit(event)
 
+    outcome: list[BaseException | None] = []
 
-def _drain_events_worker(timeout: float) -> bool:
-    """Flush and stop Prefect's events worker; True when it finished within timeout."""
-    from prefect.events.worker import EventsWorker
+    def run() -> None:
+        try:
+            asyncio.run(asyncio.wait_for(send(), timeout))
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            outcome.append(exc)
 
-    outcome: dict[str, bool] = {}
-
-    def drain() -> None:
-        done, not_done = EventsWorker.drain_all(timeout=timeout, at_exit=False)  # type: ignore[misc]
-        outcome["ok"] = not not_done
-
-    # drain_all returns a coroutine when the calling thread runs an event loop (async
-    # training code); a fresh thread always gets the blocking, timeout-bounded variant.
-    thread = threading.Thread(target=drain, name="mergeflow-drain-events", daemon=True)
+    # A fresh thread with a copy of this context: the caller may run an event loop (async
+    # training code), and Prefect's settings (the API URL) live in context variables.
+    context = contextvars.copy_context()
+    thread = threading.Thread(target=context.run, args=(run,), name="mergeflow-send-event", daemon=True)
     thread.start()
     thread.join(timeout + 5.0)
-    return outcome.get("ok", False)
+    if not outcome:
+        return TimeoutError(f"no answer within {timeout:g} s")
+    return outcome[0]
 
 
 def checkpoint_saved(
@@ -126,26 +128,16 @@ def checkpoint_saved(
     )
     api_url = reachable_api_url()
 
-    from prefect.events import Event, emit_event
+    from prefect.events import Event
 
-    failures = _ServiceFailures()
-    service_logger = logging.getLogger(_PREFECT_SERVICE_LOGGER)
-    # The drain stops Prefect's events worker: a concurrent caller's send would hit a
-    # stopped worker, so emit-and-flush runs one call at a time.
+    event = Event(event=EVENT_CHECKPOINT_SAVED, resource=resource, payload=payload)
+    # A training process may exit right after this call (and spawned ranks exit with
+    # os._exit): the event is sent, and confirmed, before it returns.
     with _EMIT_LOCK:
-        service_logger.addHandler(failures)
-        try:
-            event = emit_event(EVENT_CHECKPOINT_SAVED, resource=resource, payload=payload)
-            if not isinstance(event, Event):
-                raise EventError(f"Prefect did not accept the event for {payload['local_dir']}; see the Prefect log above.")
-            # A training process may exit right after this call (and spawned ranks exit
-            # with os._exit, skipping Prefect's atexit flush): send the event now.
-            delivered = _drain_events_worker(timeout)
-        finally:
-            service_logger.removeHandler(failures)
-    if not delivered:
+        failure = _send_confirmed(event, timeout)
+    if isinstance(failure, (TimeoutError, asyncio.TimeoutError)):
         raise EventError(f"The event for {payload['local_dir']} was not sent to {api_url} within {timeout:g} s.")
-    if failures.messages:
-        raise EventError(f"Sending the event to {api_url} failed: {failures.messages[0]}")
+    if failure is not None:
+        raise EventError(f"Sending the event to {api_url} failed: {type(failure).__name__}: {failure}")
     logger.info("Emitted %s for %s (event %s).", EVENT_CHECKPOINT_SAVED, payload["local_dir"], event.id)
     return str(event.id)

@@ -9,17 +9,39 @@ is the one place that builds it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal, Union
 
-from mergeflow.export.layout import TensorLayout
+from mergeflow.config import Dtype
 from mergeflow.formats.manifest import ArtifactType
 from mergeflow.formats.rank_files import TensorEntry
 from mergeflow.io.fs import FileStamp
 from mergeflow.lora.plan import LoraSpec
 
-DtypePolicy = Literal["preserve", "float32", "float16", "bfloat16"]
+DtypePolicy = Dtype
 BaseKind = Literal["pipeline", "transformer", "hub"]  # "hub": an adapter export whose base is only named
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """Where one global tensor's pieces live.
+
+    chunk_ranks[c] lists the ranks that hold chunk c (the first is read, the others are
+    replicas that must hold identical bytes). A replicated tensor has one chunk.
+    """
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    shard_dim: int | None
+    chunk_ranks: tuple[tuple[int, ...], ...]
+    chunk_shapes: tuple[tuple[int, ...], ...]
+    tied_to: str | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)

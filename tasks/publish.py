@@ -14,9 +14,10 @@ from mergeflow.records import (
     ShardRecord,
     ValidationReport,
 )
+from mergeflow.tasks import RETRY_IO
 
 
-@task(name="write-metadata", task_run_name="write-metadata", retries=1, retry_delay_seconds=1, cache_policy=NO_CACHE)
+@task(name="write-metadata", task_run_name="write-metadata", **RETRY_IO, cache_policy=NO_CACHE)
 def write_metadata(plan: MergePlan, output: OutputPlan, rank_digests: dict[str, str], shards: list[ShardRecord],
                    extra_files: list[FileRecord] | None = None, lora_fusion: JsonObject | None = None) -> JsonObject:
     """Write config, weight index and manifest into staging."""

@@ -7,7 +7,6 @@ from 1 until an export finishes before reaching N, so every write site of this e
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -15,6 +14,8 @@ import sys
 from pathlib import Path
 
 from builders import Export, leftovers, make_export, tree_digest
+
+from mergeflow import merge_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,7 +26,7 @@ def _merge(ex: Export, target: Path, env: dict[str, str]) -> subprocess.Complete
     return subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
-def test_a_kill_at_every_durable_write_resumes_to_the_same_bytes(tmp_path: Path, prefect_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_kill_at_every_durable_write_resumes_to_the_same_bytes(tmp_path: Path, prefect_server, prefect_api) -> None:  # type: ignore[no-untyped-def]
     ex = make_export(tmp_path, "FluxTransformer2DModel", 2)
     env = {**prefect_server.client_env(), "HF_HUB_OFFLINE": "1"}
     reference = tmp_path / "reference"
@@ -41,14 +42,15 @@ def test_a_kill_at_every_durable_write_resumes_to_the_same_bytes(tmp_path: Path,
         assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
         killed += 1
         assert not target.exists(), f"a kill at write {n} published a partial target"
-        again = _merge(ex, target, env)
-        assert again.returncode == 0, f"the rerun after a kill at write {n} failed: {again.stderr[-1500:]}"
-        assert json.loads(again.stdout.strip().splitlines()[-1])["output_dir"] == str(target)
+        # The rerun runs in this process (the same flow as the CLI, without another interpreter start):
+        # what is under test is what the killed process left behind.
+        assert merge_model(ex.config(target)).output_dir == str(target), f"the rerun after a kill at write {n} failed"
         assert tree_digest(target) == want, f"the resumed artifact after a kill at write {n} differs"
         assert leftovers(tmp_path, f".{target.name}.") == [], "the resume left staging or a lock behind"
     else:
         raise AssertionError("the export never finished: the kill hook fired at every count")
     assert killed >= 4  # the shard file, its record, config.json, the manifest
+    print(f"reliability: kill -9 at {killed} durable write(s), {killed} recovered byte-identical, 0 lost")
 
 
 def test_a_resume_removes_what_killed_writers_left(tmp_path: Path) -> None:

@@ -40,6 +40,10 @@ def test_enospc_at_every_durable_write_is_one_error_and_resumes(tmp_path: Path, 
             assert not target.exists(), f"ENOSPC at write {n} published a partial target"
             assert not (tmp_path / f".{target.name}.mergeflow.lock").exists(), f"ENOSPC at write {n} left the lock"
         else:  # fewer than n durable writes: every site was hit
+            from mergeflow.io import faults
+
+            # Not a failed write that a retry papered over: the hook never reached n.
+            assert faults._seen.get(("MERGEFLOW_FAULT_FULL_AT_WRITE", str(n)), 0) < n, f"ENOSPC at write {n} was retried away"
             assert tree_digest(target) == want
             break
         finally:
@@ -50,6 +54,7 @@ def test_enospc_at_every_durable_write_is_one_error_and_resumes(tmp_path: Path, 
     else:
         raise AssertionError("the export never finished: the hook fired at every count")
     assert failed >= 6  # shard files, their records, config.json, the manifest
+    print(f"reliability: ENOSPC at {failed} durable write(s), {failed} refused in one line and resumed byte-identical, 0 lost")
 
 
 def _mount_tmpfs(path: Path, options: str) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import pickle
 
 import pytest
@@ -52,3 +54,30 @@ def test_builtin_bases_and_exit_codes() -> None:
 def test_the_retry_policy_reads_the_retryable_flag(exc: BaseException, retry: bool) -> None:
     assert E.is_retryable(exc) is retry
     assert tasks_package.retry_transient(None, None, _State(exc)) is retry
+
+
+@pytest.mark.parametrize("code,error,words", [
+    (errno.ENOSPC, "DiskFullError", "no space left"),
+    (errno.EDQUOT, "DiskFullError", "quota"),
+    (errno.EFBIG, "DiskFullError", "file size"),
+    (errno.EACCES, "FileAccessError", "permission denied"),
+    (errno.EPERM, "FileAccessError", "permission denied"),
+    (errno.EROFS, "FileAccessError", "read-only filesystem"),
+    (errno.ENOENT, "InputChangedError", "vanished"),
+    (errno.EIO, "StorageIOError", "rerun once it is healthy"),
+])
+def test_the_os_errors_users_meet_become_one_line_refusals(code: int, error: str, words: str) -> None:
+    from mergeflow.io.os_errors import typed_os_error
+
+    typed = typed_os_error(OSError(code, os.strerror(code), "/data/out/model.safetensors"), "writing model.safetensors")
+    assert type(typed).__name__ == error and typed.exit_code == 2
+    assert words in str(typed) and "/data/out/model.safetensors" in str(typed) and "\n" not in str(typed)
+    assert typed.retryable == (code == errno.EIO)  # only a failing disk may heal on a retry
+
+
+def test_other_os_errors_stay_internal() -> None:
+    from mergeflow.io.os_errors import typed_os_error
+
+    assert typed_os_error(OSError(errno.EINVAL, "Invalid argument")) is None
+    full = E.DiskFullError("no space left")
+    assert typed_os_error(full) is full

@@ -146,7 +146,7 @@ def test_undelivered_event_is_an_event_error(tmp_path: Path) -> None:
     thread.start()
     try:
         with temporary_settings(updates={PREFECT_API_URL: f"http://127.0.0.1:{server.server_port}/api"}):
-            with pytest.raises(EventError, match="failed: Service 'EventsWorker' failed"):
+            with pytest.raises(EventError, match="Sending the event to .* failed: "):
                 checkpoint_saved(make_actor_dir(tmp_path))
     finally:
         server.shutdown()

@@ -24,8 +24,12 @@ from mergeflow.io.jsonfiles import JsonObject
 if TYPE_CHECKING:  # torch and the records load when a conversion runs: the registry imports this module
     import torch
 
-    from mergeflow.export.layout import TensorLayout
-    from mergeflow.records import ArchitectureOp, TensorSource, TensorWrite
+    from mergeflow.records import (
+        ArchitectureOp,
+        TensorLayout,
+        TensorSource,
+        TensorWrite,
+    )
 
 NATIVE_CLASS = "MiniMaxH3DiTModel"
 DIFFUSERS_CLASS = "MiniMaxH3Transformer3DModel"
@@ -190,7 +194,7 @@ def native_shapes(source_shapes: Mapping[str, tuple[int, ...]], params: Mapping[
 
 
 def _virtual(name: str, dtype: str, shape: tuple[int, ...]) -> TensorLayout:
-    from mergeflow.export.layout import TensorLayout
+    from mergeflow.records import TensorLayout
 
     # A transformed write's `layout` describes its output; its inputs travel in the transform spec.
     return TensorLayout(name, dtype, shape, None, (), ())

@@ -4,31 +4,11 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from mergeflow.errors import CheckpointError, ShardLayoutError
 from mergeflow.formats.rank_files import TensorEntry
-
-
-@dataclass(frozen=True)
-class TensorLayout:
-    """Where one global tensor's pieces live.
-
-    chunk_ranks[c] lists the ranks that hold chunk c (the first is read, the others are
-    replicas that must hold identical bytes). A replicated tensor has one chunk.
-    """
-
-    key: str
-    dtype: str
-    shape: tuple[int, ...]
-    shard_dim: int | None
-    chunk_ranks: tuple[tuple[int, ...], ...]
-    chunk_shapes: tuple[tuple[int, ...], ...]
-    tied_to: str | None = None
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
+from mergeflow.records import TensorLayout
 
 
 def chunk_sizes(n: int, parts: int) -> list[int]:

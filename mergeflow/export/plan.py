@@ -19,6 +19,13 @@ from mergeflow.architectures.schema import (
 )
 from mergeflow.config import ModelMergerConfig
 from mergeflow.errors import BaseModelError, CheckpointError, MergeflowError
+from mergeflow.export.lora_detect import (
+    adapter_target,
+    detect_lora,
+    finish_lora_spec,
+    lora_input_files,
+    resolve_adapter_inputs,
+)
 from mergeflow.export.preflight import check_output_format, resolve_inputs
 from mergeflow.export.reconstruct import RankStates
 from mergeflow.export.targets import TargetSchema, pipeline_target, transformer_target
@@ -33,13 +40,6 @@ from mergeflow.io.fs import FileStamp, sha256_file
 from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.io.paths import lock_path_for, staging_dir_for
 from mergeflow.io.prefetch import DigestPrefetch
-from mergeflow.lora.detect import (
-    adapter_target,
-    detect_lora,
-    finish_lora_spec,
-    lora_input_files,
-    resolve_adapter_inputs,
-)
 from mergeflow.lora.plan import LoraSpec
 from mergeflow.records import (
     BaseInputs,

@@ -14,12 +14,12 @@ import torch
 
 from mergeflow.architectures.schema import is_kept_in_fp32
 from mergeflow.errors import CastError, CheckpointError, SchemaMismatchError
-from mergeflow.export.layout import TensorLayout, plan_layouts
+from mergeflow.export.layout import plan_layouts
 from mergeflow.formats.rank_files import load_rank_state, local_tensor
 from mergeflow.formats.rank_pickle import StateDict
 from mergeflow.formats.safetensors_format import torch_dtype
 from mergeflow.io.fs import FileStamp
-from mergeflow.records import MergePlan, RankIndex, TensorWrite
+from mergeflow.records import MergePlan, RankIndex, TensorLayout, TensorWrite
 
 FLOATING = {"float64", "float32", "float16", "bfloat16"}
 _CHECK_ELEMENTS = 1 << 24  # finiteness is checked in slices so no full-size temporary exists

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from mergeflow.errors import CheckpointError
+from mergeflow.export.lora_fusion import transformed_tensor, verify_transformed
 from mergeflow.export.progress import WRITE_PROGRESS
 from mergeflow.export.readback import FollowingReadBack, read_exact
 from mergeflow.export.reconstruct import (
@@ -40,7 +41,6 @@ from mergeflow.io.jsonfiles import write_bytes_durable, write_json_durable
 from mergeflow.io.os_errors import typed_os_error
 from mergeflow.io.staging import file_stamp
 from mergeflow.io.streamio import BackgroundFlush, HashingWriter
-from mergeflow.lora.fuse import transformed_tensor, verify_transformed
 from mergeflow.records import OutputPlan, ShardPlan, ShardRecord, TensorWrite
 
 WRITE_BLOCK = 16 * 1024 * 1024

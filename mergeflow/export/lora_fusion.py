@@ -16,7 +16,6 @@ import torch
 
 from mergeflow.architectures.conversions import apply_transform
 from mergeflow.errors import CheckpointError, InputChangedError
-from mergeflow.export.layout import TensorLayout
 from mergeflow.export.reconstruct import (
     RankStates,
     bits,
@@ -31,6 +30,7 @@ from mergeflow.records import (
     BaseModelSource,
     ComputedSource,
     LoraFuse,
+    TensorLayout,
     TensorSource,
     TensorWrite,
 )

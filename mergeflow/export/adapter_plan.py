@@ -7,7 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from mergeflow.errors import BaseModelError, LoraError
-from mergeflow.export.layout import TensorLayout, plan_layouts
+from mergeflow.export.layout import plan_layouts
 from mergeflow.export.reconstruct import check_coverage, output_dtype
 from mergeflow.formats.weight_index import read_weight_headers
 from mergeflow.io.jsonfiles import JsonObject
@@ -36,6 +36,7 @@ from mergeflow.records import (
     LoraFuse,
     MergePlan,
     RankIndex,
+    TensorLayout,
     TensorWrite,
     Transform,
 )

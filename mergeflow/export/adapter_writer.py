@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from mergeflow.export.layout import TensorLayout, plan_layouts
+from mergeflow.export.layout import plan_layouts
+from mergeflow.export.lora_detect import adapter_weights_name
 from mergeflow.export.publish import build_manifest
 from mergeflow.export.reconstruct import RankStates, output_dtype
 from mergeflow.export.shard_writer import HEADER_METADATA, write_shard_file
@@ -15,7 +16,6 @@ from mergeflow.formats.safetensors_format import nbytes
 from mergeflow.io.fs import sha256_file
 from mergeflow.io.jsonfiles import JsonObject, write_bytes_durable, write_json_durable
 from mergeflow.lora.artifact import ADAPTER_DIR
-from mergeflow.lora.detect import adapter_weights_name
 from mergeflow.lora.export import (
     adapter_config_json,
     diffusers_lora_metadata,
@@ -29,6 +29,7 @@ from mergeflow.records import (
     RankIndex,
     ShardPlan,
     ShardRecord,
+    TensorLayout,
     TensorWrite,
 )
 
