@@ -7,7 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from mergeflow.errors import BaseModelError, LoraError
-from mergeflow.export.layout import plan_layouts
+from mergeflow.export.layout import rank_layouts
 from mergeflow.export.reconstruct import check_coverage, output_dtype
 from mergeflow.formats.weight_index import read_weight_headers
 from mergeflow.io.jsonfiles import JsonObject
@@ -41,20 +41,13 @@ from mergeflow.records import (
     Transform,
 )
 
-ADAPTER_CONFIG_FILE = "adapter_config.json"
-
-
-
-def _layouts(indexes: list[RankIndex]) -> dict[str, TensorLayout]:
-    return plan_layouts([ix.entries for ix in sorted(indexes, key=lambda ix: ix.rank)])
-
 
 def plan_lora_export(plan: MergePlan, indexes: list[RankIndex]) -> LoraPlan:
     """Validate every adapter of the checkpoint against the model and fix what is fused or exported."""
     if plan.lora is None:
         raise LoraError("plan_lora called for a checkpoint without LoRA")
     spec = plan.lora
-    layouts = _layouts(indexes)
+    layouts = rank_layouts(indexes)
     keys = list(layouts)
     shapes = {key: layout.shape for key, layout in layouts.items()}
     grouped = group_adapters(keys)
@@ -114,7 +107,7 @@ def _fusion_transforms(lora: LoraPlan, layouts: dict[str, TensorLayout]) -> dict
 def lora_tensor_writes(plan: MergePlan, lora: LoraPlan, indexes: list[RankIndex]) -> list[TensorWrite]:
     """The model's tensors: frozen weights with adapters stripped, fused where --fuse-lora asks."""
     spec = plan.lora
-    layouts = _layouts(indexes)
+    layouts = rank_layouts(indexes)
     policy, keep = plan.options.dtype, plan.output.keep_fp32
 
     transforms = _fusion_transforms(lora, layouts) if lora.fuse else {}

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from mergeflow.export.layout import plan_layouts
+from mergeflow.export.layout import rank_layouts
 from mergeflow.export.lora_detect import adapter_weights_name
 from mergeflow.export.publish import build_manifest
 from mergeflow.export.reconstruct import RankStates, output_dtype
@@ -16,6 +16,7 @@ from mergeflow.formats.safetensors_format import nbytes
 from mergeflow.io.fs import sha256_file
 from mergeflow.io.jsonfiles import JsonObject, write_bytes_durable, write_json_durable
 from mergeflow.lora.artifact import ADAPTER_DIR
+from mergeflow.lora.config import ADAPTER_CONFIG_NAME
 from mergeflow.lora.export import (
     adapter_config_json,
     diffusers_lora_metadata,
@@ -29,16 +30,8 @@ from mergeflow.records import (
     RankIndex,
     ShardPlan,
     ShardRecord,
-    TensorLayout,
     TensorWrite,
 )
-
-ADAPTER_CONFIG_FILE = "adapter_config.json"
-
-
-
-def _layouts(indexes: list[RankIndex]) -> dict[str, TensorLayout]:
-    return plan_layouts([ix.entries for ix in sorted(indexes, key=lambda ix: ix.rank)])
 
 
 def adapter_dir(plan: MergePlan) -> Path:
@@ -56,7 +49,7 @@ class AdapterExport:
 
 
 def _adapter_shard(plan: MergePlan, lora: LoraPlan, indexes: list[RankIndex]) -> ShardPlan:
-    layouts = _layouts(indexes)
+    layouts = rank_layouts(indexes)
     policy, keep = plan.options.dtype, plan.output.keep_fp32
     writes = tuple(
         TensorWrite(out, src, layouts[src], output_dtype(out, layouts[src].dtype, policy, keep))
@@ -109,8 +102,8 @@ def write_adapter(plan: MergePlan, lora: LoraPlan, indexes: list[RankIndex], ran
     files: list[FileRecord] = []
     if lora.adapter_format == "peft":
         raw = (adapter_config_json(lora.adapter_config or {}) + "\n").encode("utf-8")
-        write_bytes_durable(out_dir / ADAPTER_CONFIG_FILE, raw)
-        files.append(FileRecord(ADAPTER_CONFIG_FILE, sha256_file(out_dir / ADAPTER_CONFIG_FILE), len(raw), "written"))
+        write_bytes_durable(out_dir / ADAPTER_CONFIG_NAME, raw)
+        files.append(FileRecord(ADAPTER_CONFIG_NAME, sha256_file(out_dir / ADAPTER_CONFIG_NAME), len(raw), "written"))
     manifest = _adapter_manifest(plan, lora, rank_digests, record, files)
     data = write_json_durable(out_dir / MANIFEST_NAME, manifest, indent=2)
     listed = [(record.file_name, record.sha256, record.size)] + [(f.rel_path, f.sha256, f.size) for f in files]

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from mergeflow.errors import CheckpointError, ShardLayoutError
 from mergeflow.formats.rank_files import TensorEntry
-from mergeflow.records import TensorLayout
+from mergeflow.records import RankIndex, TensorLayout
 
 
 def chunk_sizes(n: int, parts: int) -> list[int]:
@@ -39,6 +39,11 @@ def plan_layouts(entries_by_rank: list[dict[str, TensorEntry]]) -> dict[str, Ten
             )
     layouts = {key: _layout_for(key, [e[key] for e in entries_by_rank], world) for key in sorted(keys0)}
     return _mark_ties(layouts, entries_by_rank[0])
+
+
+def rank_layouts(indexes: list[RankIndex]) -> dict[str, TensorLayout]:
+    """`plan_layouts` of the rank indexes, in rank order whatever order they finished in."""
+    return plan_layouts([ix.entries for ix in sorted(indexes, key=lambda ix: ix.rank)])
 
 
 def _layout_for(key: str, per_rank: list[TensorEntry], world: int) -> TensorLayout:

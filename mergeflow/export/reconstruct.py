@@ -14,7 +14,7 @@ import torch
 
 from mergeflow.architectures.schema import is_kept_in_fp32
 from mergeflow.errors import CastError, CheckpointError, SchemaMismatchError
-from mergeflow.export.layout import plan_layouts
+from mergeflow.export.layout import rank_layouts
 from mergeflow.formats.rank_files import load_rank_state, local_tensor
 from mergeflow.formats.rank_pickle import StateDict
 from mergeflow.formats.safetensors_format import torch_dtype
@@ -243,7 +243,7 @@ def strip_wrappers(key: str) -> str:
 
 def plan_tensor_writes(plan: MergePlan, indexes: list[RankIndex]) -> list[TensorWrite]:
     """Layouts for every key, checked against the base schema: exact coverage and shapes."""
-    layouts = plan_layouts([ix.entries for ix in sorted(indexes, key=lambda ix: ix.rank)])
+    layouts = rank_layouts(indexes)
     by_name: dict[str, TensorLayout] = {}
     for key, layout in layouts.items():
         name = strip_wrappers(key)

@@ -14,11 +14,10 @@ from mergeflow.errors import ArtifactInvalidError, LoraError
 from mergeflow.formats.manifest import MANIFEST_NAME
 from mergeflow.formats.safetensors_format import read_header
 from mergeflow.io.jsonfiles import JsonObject, parse_json_strict, read_json_strict
-from mergeflow.lora.config import settings_from_config_dict
+from mergeflow.lora.config import ADAPTER_CONFIG_NAME, settings_from_config_dict
 from mergeflow.lora.export import (
     DIFFUSERS_LORA_WEIGHTS_NAME,
     DIFFUSERS_METADATA_KEY,
-    PEFT_ADAPTER_CONFIG_NAME,
     PEFT_ADAPTER_WEIGHTS_NAME,
 )
 from mergeflow.lora.keys import PEFT_PREFIX
@@ -49,18 +48,18 @@ def _adapter_record(manifest: JsonObject) -> JsonObject:
 
 
 def _check_config(root: Path, record: JsonObject) -> None:
-    data = read_json_strict(root / PEFT_ADAPTER_CONFIG_NAME, ArtifactInvalidError, PEFT_ADAPTER_CONFIG_NAME)
+    data = read_json_strict(root / ADAPTER_CONFIG_NAME, ArtifactInvalidError, ADAPTER_CONFIG_NAME)
     if not isinstance(data, dict):
-        raise ArtifactInvalidError(f"{PEFT_ADAPTER_CONFIG_NAME} must hold a JSON object")
+        raise ArtifactInvalidError(f"{ADAPTER_CONFIG_NAME} must hold a JSON object")
     try:
-        settings = settings_from_config_dict(data, PEFT_ADAPTER_CONFIG_NAME)
+        settings = settings_from_config_dict(data, ADAPTER_CONFIG_NAME)
     except LoraError as exc:
         raise ArtifactInvalidError(str(exc)) from None
     if (settings.r, settings.lora_alpha) != (record.get("r"), record.get("lora_alpha")):
-        raise ArtifactInvalidError(f"{PEFT_ADAPTER_CONFIG_NAME} r / lora_alpha disagree with the manifest")
+        raise ArtifactInvalidError(f"{ADAPTER_CONFIG_NAME} r / lora_alpha disagree with the manifest")
     name = data.get("base_model_name_or_path")
     if isinstance(name, str) and (name.startswith(("/", "~")) or "\\" in name):
-        raise ArtifactInvalidError(f"{PEFT_ADAPTER_CONFIG_NAME} names a local path as base_model_name_or_path")
+        raise ArtifactInvalidError(f"{ADAPTER_CONFIG_NAME} names a local path as base_model_name_or_path")
 
 
 def _check_metadata(file_name: str, metadata: dict[str, str], adapter_format: str) -> None:

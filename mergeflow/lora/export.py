@@ -19,7 +19,6 @@ from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.lora.keys import ADAPTER_KINDS, PEFT_PREFIX, AdapterModuleKeys
 
 PEFT_ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
-PEFT_ADAPTER_CONFIG_NAME = "adapter_config.json"
 DIFFUSERS_LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
 DIFFUSERS_METADATA_KEY = "lora_adapter_metadata"  # diffusers.loaders.lora_base.LORA_ADAPTER_METADATA_KEY
 
