@@ -20,18 +20,19 @@ from mergeflow import merge_model
 from mergeflow.errors import DiskFullError
 
 REPO = Path(__file__).resolve().parents[1]
+SHARD = 150_000  # two shards of the 272 KB model: every kind of write site, each twice
 
 
 def test_enospc_at_every_durable_write_is_one_error_and_resumes(tmp_path: Path, prefect_api: Any,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     ex = make_export(tmp_path, "FluxTransformer2DModel", 2)
-    want = tree_digest(Path(merge_model(ex.config(tmp_path / "reference", max_shard_size=60000)).output_dir))
+    want = tree_digest(Path(merge_model(ex.config(tmp_path / "reference", max_shard_size=SHARD)).output_dir))
     failed = 0
     for n in range(1, 40):
         target = tmp_path / f"out-{n}"
         monkeypatch.setenv("MERGEFLOW_FAULT_FULL_AT_WRITE", str(n))
         try:
-            merge_model(ex.config(target, max_shard_size=60000))
+            merge_model(ex.config(target, max_shard_size=SHARD))
         except DiskFullError as exc:
             failed += 1
             message = str(exc)
@@ -48,12 +49,12 @@ def test_enospc_at_every_durable_write_is_one_error_and_resumes(tmp_path: Path, 
             break
         finally:
             monkeypatch.delenv("MERGEFLOW_FAULT_FULL_AT_WRITE")
-        merge_model(ex.config(target, max_shard_size=60000))  # free space again: the same command resumes
+        merge_model(ex.config(target, max_shard_size=SHARD))  # free space again: the same command resumes
         assert tree_digest(target) == want, f"the resumed artifact after ENOSPC at write {n} differs"
         assert leftovers(tmp_path, f".{target.name}.") == [], "the resume left staging or a lock behind"
     else:
         raise AssertionError("the export never finished: the hook fired at every count")
-    assert failed >= 6  # shard files, their records, config.json, the manifest
+    assert failed >= 6  # 2 x (shard file, its record), config.json, the manifest
     print(f"reliability: ENOSPC at {failed} durable write(s), {failed} refused in one line and resumed byte-identical, 0 lost")
 
 
