@@ -9,7 +9,7 @@ import sys
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NoReturn
 
 from mergeflow.config import (
     ADAPTER_FORMATS,
@@ -39,18 +39,66 @@ from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.io.os_errors import typed_os_error
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one line for a bad flag (the valid values included) instead of the whole usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
+
+
+class _Help(argparse.HelpFormatter):
+    """Every option's help says when it is required and what its default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.required and action.option_strings:
+            text = f"(required) {text}"
+        if action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text and action.option_strings:
+            text += " (default: %(default)s)"
+        return text
+
+
+def _versions() -> str:
+    """mergeflow's version and the libraries that decide its output (read from metadata: no imports)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"mergeflow {of('mergeflow')} (torch {of('torch')}, diffusers {of('diffusers')}, prefect {of('prefect')}, safetensors {of('safetensors')})"
+
+
+class _Version(argparse.Action):
+    """`--version`: one unwrapped line (argparse's own version action wraps it at the terminal width)."""
+
+    def __init__(self, option_strings: list[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        print(_versions())
+        parser.exit(0)
+
+
 def _flag(parser: argparse.ArgumentParser, *names: str, **kwargs: Any) -> None:
     parser.add_argument(*names, **kwargs)
 
 
-def _common(parser: argparse.ArgumentParser) -> None:
+def _debug(parser: argparse.ArgumentParser) -> None:
+    _flag(parser, "--debug", action="store_true", help="show tracebacks and Prefect's console logs")
+
+
+def _common(parser: argparse.ArgumentParser, *, local_dir_required: bool = False) -> None:
     _flag(parser, "--backend", required=True, choices=["fsdp"], help="checkpoint backend (only fsdp)")
-    _flag(parser, "--local_dir", "--local-dir", dest="local_dir", help="the checkpoint's actor directory")
+    _flag(parser, "--local_dir", "--local-dir", dest="local_dir", required=local_dir_required,
+          help="the checkpoint's actor directory (global_step_N/actor)")
     _flag(parser, "--hf_model_config_path", "--hf-model-config-path", dest="hf_model_config_path",
           help="directory with the trained config.json (default: LOCAL_DIR/huggingface)")
     _flag(parser, "--trust-remote-code", "--trust_remote_code", dest="trust_remote_code", action="store_true",
           help="allow copying .py files of a remote-code base")
-    _flag(parser, "--debug", action="store_true", help="show tracebacks and Prefect's console logs")
+    _debug(parser)
 
 
 def _positive_int(text: str) -> int:
@@ -64,58 +112,74 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mergeflow", description="Export FSDP diffusion checkpoints as verified Diffusers artifacts.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="mergeflow", description="Export FSDP diffusion checkpoints as verified Diffusers artifacts.",
+                     formatter_class=_Help)
+    parser.add_argument("--version", action=_Version, help="print the versions and exit")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    merge = sub.add_parser("merge", help="export a checkpoint")
-    _common(merge)
-    _flag(merge, "--target_dir", "--target-dir", dest="target_dir", help="output directory (must not exist)")
-    _flag(merge, "--base_model", "--base-model", dest="base_model", help="local base pipeline or transformer directory")
-    _flag(merge, "--output_format", "--output-format", dest="output_format", default=DEFAULT_OUTPUT_FORMAT, choices=OUTPUT_FORMATS)
-    _flag(merge, "--dtype", default=DEFAULT_DTYPE, choices=DTYPES)
-    _flag(merge, "--max_shard_size", "--max-shard-size", dest="max_shard_size", type=_positive_int, default=DEFAULT_MAX_SHARD_SIZE)
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, formatter_class=_Help)
+
+    merge = command("merge", "export a checkpoint")
+    _common(merge, local_dir_required=True)
+    _flag(merge, "--target_dir", "--target-dir", dest="target_dir", required=True, help="output directory (must not exist)")
+    _flag(merge, "--base_model", "--base-model", dest="base_model", required=True,
+          help="local base pipeline or transformer directory")
+    _flag(merge, "--output_format", "--output-format", dest="output_format", default=DEFAULT_OUTPUT_FORMAT, choices=OUTPUT_FORMATS,
+          help="a whole pipeline with the trained transformer, or the transformer alone")
+    _flag(merge, "--dtype", default=DEFAULT_DTYPE, choices=DTYPES, help="dtype of the written weights (preserve: as trained)")
+    _flag(merge, "--max_shard_size", "--max-shard-size", dest="max_shard_size", type=_positive_int, default=DEFAULT_MAX_SHARD_SIZE,
+          help="bytes per output .safetensors file (2147483648 = 2 GiB)")
     _flag(merge, "--hf_upload_path", "--hf-upload-path", dest="hf_upload_path", help="ORG/REPO to upload to after publishing")
     _flag(merge, "--private", action="store_true", help="create the Hub repo private")
     _flag(merge, "--trust-checkpoint", "--trust_checkpoint", dest="trust_checkpoint", action="store_true",
           help="permit full (unsafe) unpickling of rank files the safe loader refuses")
-    _flag(merge, "--adapter-name", "--adapter_name", dest="adapter_name", default="default")
-    _flag(merge, "--fuse-lora", "--fuse_lora", dest="fuse_lora", action="store_true")
-    _flag(merge, "--adapter-format", "--adapter_format", dest="adapter_format", default="peft", choices=ADAPTER_FORMATS)
+    _flag(merge, "--adapter-name", "--adapter_name", dest="adapter_name", default="default",
+          help="which PEFT adapter of a LoRA checkpoint to export or fuse")
+    _flag(merge, "--fuse-lora", "--fuse_lora", dest="fuse_lora", action="store_true",
+          help="fuse a LoRA checkpoint into the base weights instead of exporting the adapter")
+    _flag(merge, "--adapter-format", "--adapter_format", dest="adapter_format", default="peft", choices=ADAPTER_FORMATS,
+          help="key names of an exported adapter")
     _flag(merge, "--adapter-config", "--adapter_config", dest="adapter_config", help="PEFT adapter_config.json of the trained adapter")
     _flag(merge, "--component", default="transformer", help="pipeline component the checkpoint replaces")
-    _flag(merge, "--qkv-layout", "--qkv_layout", dest="qkv_layout", default="interleaved", choices=QKV_LAYOUTS)
+    _flag(merge, "--qkv-layout", "--qkv_layout", dest="qkv_layout", default="interleaved", choices=QKV_LAYOUTS,
+          help="fused QKV layout of MiniMax H3's native package")
     _flag(merge, "--workers", type=int, default=DEFAULT_WORKERS, help="parallel shard writers")
     add_task_runner_flags(merge)
 
-    test = sub.add_parser("test", help="validate a published artifact without its source")
+    test = command("test", "validate a published artifact without its source")
     _common(test)
-    _flag(test, "--test_hf_dir", "--test-hf-dir", dest="test_hf_dir", required=True)
+    _flag(test, "--test_hf_dir", "--test-hf-dir", dest="test_hf_dir", required=True,
+          help="the artifact (or a failed export's staging directory)")
 
-    inspect = sub.add_parser("inspect", help="describe a checkpoint without exporting it")
-    _flag(inspect, "--local_dir", "--local-dir", dest="local_dir", required=True)
-    _flag(inspect, "--trust-checkpoint", "--trust_checkpoint", dest="trust_checkpoint", action="store_true")
-    _flag(inspect, "--debug", action="store_true")
+    inspect = command("inspect", "describe a checkpoint without exporting it")
+    _flag(inspect, "--local_dir", "--local-dir", dest="local_dir", required=True, help="the checkpoint's actor directory")
+    _flag(inspect, "--trust-checkpoint", "--trust_checkpoint", dest="trust_checkpoint", action="store_true",
+          help="permit full (unsafe) unpickling of rank files the safe loader refuses")
+    _debug(inspect)
 
-    upload = sub.add_parser("upload", help="upload (or re-upload) a published artifact to the Hub and verify it")
-    _flag(upload, "--test_hf_dir", "--test-hf-dir", dest="test_hf_dir", required=True)
-    _flag(upload, "--hf_upload_path", "--hf-upload-path", dest="hf_upload_path", required=True)
-    _flag(upload, "--private", action="store_true")
-    _flag(upload, "--debug", action="store_true")
+    upload = command("upload", "upload (or re-upload) a published artifact to the Hub and verify it")
+    _flag(upload, "--test_hf_dir", "--test-hf-dir", dest="test_hf_dir", required=True, help="the published artifact")
+    _flag(upload, "--hf_upload_path", "--hf-upload-path", dest="hf_upload_path", required=True, help="ORG/REPO on the Hub")
+    _flag(upload, "--private", action="store_true", help="create the Hub repo private")
+    _debug(upload)
 
-    verify = sub.add_parser("verify-upload", help="check that a Hub repo holds exactly a published artifact")
-    _flag(verify, "--test_hf_dir", "--test-hf-dir", dest="test_hf_dir", required=True)
-    _flag(verify, "--hf_upload_path", "--hf-upload-path", dest="hf_upload_path", required=True)
-    _flag(verify, "--revision", default=None)
-    _flag(verify, "--debug", action="store_true")
+    verify = command("verify-upload", "check that a Hub repo holds exactly a published artifact")
+    _flag(verify, "--test_hf_dir", "--test-hf-dir", dest="test_hf_dir", required=True, help="the published artifact")
+    _flag(verify, "--hf_upload_path", "--hf-upload-path", dest="hf_upload_path", required=True, help="ORG/REPO on the Hub")
+    _flag(verify, "--revision", default=None, help="branch, tag or commit to check (default: the repo's main)")
+    _debug(verify)
 
-    demo = sub.add_parser("demo", help="build a tiny checkpoint, export and validate it")
+    demo = command("demo", "build a tiny checkpoint, export and validate it")
     _flag(demo, "--workdir", help="where to build it (default: a new temp dir)")
-    _flag(demo, "--debug", action="store_true")
+    _debug(demo)
     add_ops_commands(sub)
 
-    server = sub.add_parser("server", help="the background local Prefect server that commands use without PREFECT_API_URL")
-    _flag(server, "action", choices=["status", "start", "stop"])
-    _flag(server, "--debug", action="store_true")
+    server = command("server", "the background local Prefect server that commands use without PREFECT_API_URL")
+    _flag(server, "action", choices=["status", "start", "stop"], help="what to do with it")
+    _debug(server)
+    for each in sub.choices.values():  # serve, watch, staging (flows/ops_cli.py) too
+        each.formatter_class = _Help
     return parser
 
 

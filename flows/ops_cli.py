@@ -26,7 +26,7 @@ from mergeflow.io.jsonfiles import JsonObject
 def add_task_runner_flags(parser: argparse.ArgumentParser) -> None:
     """--task-runner thread|dask and --dask-address (merge and serve)."""
     parser.add_argument("--task-runner", "--task_runner", dest="task_runner", default=DEFAULT_TASK_RUNNER, choices=TASK_RUNNERS,
-                        help="run rank and shard tasks in threads (default) or on a Dask cluster")
+                        help="run rank and shard tasks in threads or on a Dask cluster")
     parser.add_argument("--dask-address", "--dask_address", dest="dask_address", default=None,
                         help="scheduler address of a running Dask cluster (default: a temporary local cluster)")
 
@@ -41,16 +41,18 @@ def add_ops_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
                        metavar="DIR", help="an event's local_dir must lie below DIR (symlinks followed); repeat for several roots")
     serve.add_argument("--allow-base-model", "--allow_base_model", dest="allowed_base_models", action="append", default=[],
                        metavar="DIR", help="a base model an event may name besides --base_model; repeat for several")
-    serve.add_argument("--output_format", "--output-format", dest="output_format", default=DEFAULT_OUTPUT_FORMAT, choices=OUTPUT_FORMATS)
-    serve.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPES)
-    serve.add_argument("--max_shard_size", "--max-shard-size", dest="max_shard_size", type=int, default=DEFAULT_MAX_SHARD_SIZE)
+    serve.add_argument("--output_format", "--output-format", dest="output_format", default=DEFAULT_OUTPUT_FORMAT, choices=OUTPUT_FORMATS,
+                       help="what each triggered export writes: a whole pipeline, or the transformer alone")
+    serve.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPES, help="dtype of the written weights (preserve: as trained)")
+    serve.add_argument("--max_shard_size", "--max-shard-size", dest="max_shard_size", type=int, default=DEFAULT_MAX_SHARD_SIZE,
+                       help="bytes per output .safetensors file (2147483648 = 2 GiB)")
     serve.add_argument("--hf_upload_path", "--hf-upload-path", dest="hf_upload_path",
                        help="ORG/REPO to upload each export to; may use {run_name} and {step}")
-    serve.add_argument("--private", action="store_true")
+    serve.add_argument("--private", action="store_true", help="create each Hub repo private")
     serve.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help="parallel shard writers per merge")
     serve.add_argument("--limit", type=int, default=1, help="merges running at the same time (default 1)")
     add_task_runner_flags(serve)
-    serve.add_argument("--debug", action="store_true")
+    serve.add_argument("--debug", action="store_true", help="show tracebacks and Prefect's console logs")
 
     watch = sub.add_parser("watch", help="emit a checkpoint event for every completed checkpoint of a training run")
     watch.add_argument("train_dir", metavar="TRAIN_OUTPUT_DIR", help="verl's output directory (holds global_step_N/)")
@@ -60,16 +62,17 @@ def add_ops_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     watch.add_argument("--run-name", "--run_name", dest="run_name", help="run name in each event (default: the directory name)")
     watch.add_argument("--stable-seconds", dest="stable_seconds", type=float, default=5.0,
                        help="a checkpoint must stay unchanged this long before it is announced")
-    watch.add_argument("--poll-seconds", dest="poll_seconds", type=float, default=1.0)
+    watch.add_argument("--poll-seconds", dest="poll_seconds", type=float, default=1.0,
+                       help="how often the directory is re-scanned besides file notifications")
     watch.add_argument("--state-file", dest="state_file", help="where emitted checkpoints are remembered")
-    watch.add_argument("--debug", action="store_true")
+    watch.add_argument("--debug", action="store_true", help="show tracebacks and Prefect's console logs")
 
     staging = sub.add_parser("staging", help="list or remove the work kept by failed or interrupted exports")
-    staging.add_argument("action", choices=["list", "clean"])
+    staging.add_argument("action", choices=["list", "clean"], help="list the kept staging directories, or remove them")
     staging.add_argument("dir", nargs="?", default=".", help="directory to search (targets' parent, or above; default .)")
     staging.add_argument("--older-than", dest="older_than", type=float, default=0.0,
                          help="clean only staging idle for more than this many seconds")
-    staging.add_argument("--debug", action="store_true")
+    staging.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
 @contextmanager
