@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +18,25 @@ from mergeflow.export.artifact_check import check_artifact
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
+
+
+def _final_state(server: Any, run_id: str, timeout: float = 30.0) -> Any:
+    import asyncio
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+
+    async def read() -> Any:
+        async with get_client() as client:
+            return (await client.read_flow_run(UUID(run_id))).state
+
+    deadline = time.monotonic() + timeout
+    with server.activated():
+        while True:
+            state = asyncio.run(read())
+            if (state is not None and state.is_final()) or time.monotonic() > deadline:
+                return state
+            time.sleep(0.5)
 
 
 def merge_args(ex: Any, target: Path) -> list[str]:
@@ -59,6 +79,12 @@ def test_an_interrupted_export_ends_with_one_line_and_resumes(tmp_path: Path, pr
     name = signal.Signals(signum).name
     assert lines[-1].startswith(f"mergeflow: interrupted ({name}); nothing was published; work kept for resume in "), lines[-1]
     kept = Path(lines[-1].split("work kept for resume in ")[1].split(" (rerun")[0])
+    # The UI shows why the run ended: the flow run's final state, read back from the server.
+    run_ids = re.findall(r"/runs/flow-run/([0-9a-f-]{36})", text)
+    assert run_ids, text[-2000:]
+    state = _final_state(prefect_server, run_ids[0])
+    assert state.type.value in ("CRASHED", "CANCELLED"), state
+    assert state.message and "aborted by" in state.message, state.message  # e.g. "... by a termination signal."
     assert kept.is_dir() and kept.parent == tmp_path and not target.exists()
     if times == 1:
         return  # the resume after a kill is proven elsewhere (test_resume, test_crash_recovery); once here
