@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
 
-from mergeflow.io.interrupt import request_stop, stop_requested
+from mergeflow.io.interrupt import clear_stop, request_stop, stop_requested
 from mergeflow.io.paths import STAGING_MARKER
 
 # Exit status of a process ended by a signal, as shells report it: 128 + signal number.
@@ -51,6 +51,8 @@ def interrupts_stop_the_export() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    clear_stop()
+    _received.clear()
     previous = {sig: signal.signal(sig, _on_signal) for sig in EXIT_STATUS}
     try:
         yield

@@ -20,6 +20,11 @@ def request_stop() -> None:
     _STOP.set()
 
 
+def clear_stop() -> None:
+    """A new command in the same process (the Python API, tests) starts without an old request."""
+    _STOP.clear()
+
+
 def stop_requested() -> bool:
     return _STOP.is_set()
 
