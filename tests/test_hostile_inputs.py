@@ -142,3 +142,29 @@ def test_test_on_an_unreadable_file_is_one_line(pristine: Export, tmp_path: Path
         assert len(lines) == 1 and lines[0].startswith("mergeflow: error: permission denied") and "config.json" in lines[0], lines
     finally:
         shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_the_wrong_directory_is_answered_with_where_the_checkpoint_probably_is(tmp_path: Path) -> None:
+    from mergeflow.formats.verl_checkpoint import read_fsdp_config
+
+    run = tmp_path / "run"
+    for step in (100, 20):
+        (run / f"global_step_{step}" / "actor").mkdir(parents=True)
+        (run / f"global_step_{step}" / "actor" / "fsdp_config.json").write_text('{"FSDP_version": 2, "world_size": 1}')
+    dcp = tmp_path / "pytorch_model_fsdp_0"
+    dcp.mkdir()
+    (dcp / ".metadata").write_bytes(b"\x80\x04")
+    (dcp / "__0_0.distcp").write_bytes(b"")
+    (tmp_path / "empty").mkdir()
+    cases = {
+        run / "global_step_100": f"pass --local_dir {run / 'global_step_100' / 'actor'}",
+        run: f"pass --local_dir {run / 'global_step_100' / 'actor'} (the latest)",
+        dcp: "is a torch Distributed Checkpoint",
+        tmp_path / "absent": "does not exist",
+        tmp_path / "empty": "must be verl's global_step_N/actor directory",
+    }
+    for path, words in cases.items():
+        with pytest.raises(E.CheckpointError) as info:
+            read_fsdp_config(path)
+        assert words in str(info.value), (path, str(info.value))
+    assert read_fsdp_config(run / "global_step_20" / "actor").world_size == 1

@@ -31,8 +31,34 @@ def _strict_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _not_a_checkpoint_dir(actor_dir: Path) -> str | None:
+    """Why `actor_dir` is not verl's `global_step_N/actor`, in words that say where it probably is; None if it may be."""
+    if not actor_dir.exists():
+        return f"--local_dir {actor_dir} does not exist"
+    if not actor_dir.is_dir():
+        return f"--local_dir {actor_dir} is not a directory"
+    if (actor_dir / FSDP_CONFIG).exists():
+        return None
+    if (actor_dir / "actor" / FSDP_CONFIG).is_file():
+        return (f"{actor_dir.name}/ holds no {FSDP_CONFIG}, its actor/ does: pass --local_dir {actor_dir / 'actor'} "
+                "(verl saves the model under global_step_N/actor)")
+    steps = sorted((p for p in actor_dir.glob("global_step_*") if step_of(p.name) is not None and (p / "actor").is_dir()),
+                   key=lambda p: step_of(p.name) or 0)
+    if steps:
+        return (f"{actor_dir.name}/ is a training run's output ({len(steps)} checkpoint(s)), not one checkpoint: pass "
+                f"--local_dir {steps[-1] / 'actor'} (the latest), or watch/backfill the run")
+    if (actor_dir / ".metadata").exists() or any(actor_dir.glob("*.distcp")):
+        return (f"{actor_dir.name}/ is a torch Distributed Checkpoint (.metadata + *.distcp, as accelerate writes), "
+                f"not verl's per-rank files ({FSDP_CONFIG} + model_world_size_W_rank_R.pt); mergeflow does not read DCP yet")
+    return (f"{FSDP_CONFIG} is missing in {actor_dir.name}/: --local_dir must be verl's global_step_N/actor directory "
+            f"({FSDP_CONFIG}, huggingface/ and model_world_size_W_rank_R.pt files)")
+
+
 def read_fsdp_config(actor_dir: Path) -> FsdpConfig:
     """Parse fsdp_config.json strictly: an object with integer FSDP_version (1|2) and 1 <= world_size <= MAX_WORLD_SIZE."""
+    problem = _not_a_checkpoint_dir(actor_dir)
+    if problem:
+        raise CheckpointError(problem)
     data = read_json_strict(actor_dir / FSDP_CONFIG, CheckpointError, FSDP_CONFIG)
     if not isinstance(data, dict):
         raise CheckpointError(f"{FSDP_CONFIG} must be a JSON object like {{\"FSDP_version\": 2, \"world_size\": 4}}")
