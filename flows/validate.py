@@ -25,7 +25,7 @@ def validate_flow(test_hf_dir: str, within: str | None = None) -> JsonObject:
     `within` (set by `mergeflow serve` to its target root) confines what a deployment run may read.
     """
     if within is not None:
-        confine_read(test_hf_dir, within)
+        test_hf_dir = confine_read(test_hf_dir, within)  # and read what was checked, not the name again
     # The same checks `mergeflow test` runs in-process; a failed merge's kept staging dir
     # validates as the artifact staged inside it.
     summary = validate_artifact_task(str(artifact_to_check(test_hf_dir)))
