@@ -58,6 +58,31 @@ def test_enospc_at_every_durable_write_is_one_error_and_resumes(tmp_path: Path, 
     print(f"reliability: ENOSPC at {failed} durable write(s), {failed} refused in one line and resumed byte-identical, 0 lost")
 
 
+@pytest.mark.parametrize("stage", ["1:vae/", "1:model_index.json"], ids=["copying-a-component", "the-pipeline-index"])
+def test_enospc_while_building_a_pipeline_resumes(tmp_path: Path, prefect_api: Any, monkeypatch: pytest.MonkeyPatch,
+                                                  stage: str) -> None:
+    """The stages a transformer export has not: the base's component copies and model_index.json."""
+    from fixtures.pipelines_image import build_sd3_pipeline
+    from pipeline_builders import Exported, make_actor
+
+    from mergeflow.demo.checkpoints import build_transformer
+
+    transformer = build_transformer("SD3Transformer2DModel")
+    base = build_sd3_pipeline(tmp_path / "base", transformer)
+    actor, actor_dir = make_actor(transformer, tmp_path)
+    item = Exported(base, actor_dir, actor)
+    want = tree_digest(Path(merge_model(item.config(tmp_path / "reference")).output_dir))
+    target = tmp_path / "out"
+    monkeypatch.setenv("MERGEFLOW_FAULT_FULL_AT_WRITE", stage)
+    with pytest.raises(DiskFullError, match="no space left") as info:
+        merge_model(item.config(target))
+    monkeypatch.delenv("MERGEFLOW_FAULT_FULL_AT_WRITE")
+    assert info.value.staging_dir and not target.exists() and not (tmp_path / ".out.mergeflow.lock").exists()
+    assert stage.split(":")[1] in str(info.value)  # the file that did not fit is named
+    merge_model(item.config(target))
+    assert tree_digest(target) == want and leftovers(tmp_path, ".out.") == []
+
+
 def _mount_tmpfs(path: Path, options: str) -> bool:
     path.mkdir()
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, check=False)
