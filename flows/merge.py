@@ -26,7 +26,7 @@ from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.io.os_errors import typed_os_error
 from mergeflow.io.paths import check_target
 from mergeflow.io.prefetch import DigestPrefetch
-from mergeflow.io.staging import remove_partial_writes
+from mergeflow.io.staging import remove_partial_writes, settle_failed_staging
 from mergeflow.lora.artifact import ADAPTER_DIR
 from mergeflow.records import MergePlan, ShardRecord
 from mergeflow.tasks.copy_components import copy_components
@@ -133,9 +133,7 @@ def merge_flow(config: ModelMergerConfig) -> JsonObject:
             typed = typed_os_error(exc) if isinstance(exc, OSError) else exc  # disk full, permissions, ...: one line
             if typed is None:
                 raise
-            if Path(plan.output.staging).exists():
-                raise typed.kept_in(plan.output.staging) from None
-            raise typed from None
+            raise settle_failed_staging(typed, Path(plan.output.staging)) from None
         finally:
             lock.release()
     except OSError as exc:  # before the lock (inspection, the lock itself): nothing staged yet

@@ -26,6 +26,10 @@ class MergeflowError(Exception):
 
     exit_code: int = 2
     retryable: bool = False
+    # Whether rerunning the same command can succeed with the work kept so far (disk full, an
+    # interruption): only then is the staging directory kept. A refusal of the input itself
+    # cannot be resumed (a fixed input is a new export), so its staging is removed.
+    resumable: bool = False
 
     def __init__(self, message: str, *, staging_dir: str | None = None) -> None:
         super().__init__(message)
@@ -120,19 +124,27 @@ class InputChangedError(MergeflowError):
 class ExportInterruptedError(MergeflowError):
     """Ctrl-C or SIGTERM stopped the export; what was written is kept for a resume."""
 
+    resumable = True
+
     exit_code = 130
 
 
 class DiskFullError(MergeflowError, OSError):
     """The output filesystem ran out of space (or hit a file size limit) while writing."""
 
+    resumable = True
+
 
 class FileAccessError(MergeflowError):
     """The operating system refused access to a path: permission denied, or a read-only filesystem."""
 
+    resumable = True
+
 
 class StorageIOError(MergeflowError):
     """The disk or network filesystem failed (EIO, a stale handle): another attempt may succeed."""
+
+    resumable = True
 
     retryable = True
 
@@ -140,8 +152,10 @@ class StorageIOError(MergeflowError):
 class ArtifactInvalidError(MergeflowError):
     """An artifact (staged or published) fails validation.
 
-    Not `ArtifactInvalidError`: pydantic and huggingface_hub both export a class of that name.
+    Not `ValidationError`: pydantic and huggingface_hub both export a class of that name.
     """
+
+    resumable = True
 
 
 # -- events and the Hub ------------------------------------------------------------------------

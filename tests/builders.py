@@ -144,6 +144,7 @@ def plain_export(config: ModelMergerConfig, run: PlainRun | None = None) -> dict
     from mergeflow.export.reconstruct import RankStates
     from mergeflow.io.fs import TargetLock
     from mergeflow.io.prefetch import DigestPrefetch
+    from mergeflow.io.staging import settle_failed_staging
 
     run = run if run is not None else PlainRun()
     actor_dir = Path(config.local_dir or "").expanduser().resolve()
@@ -156,9 +157,7 @@ def plain_export(config: ModelMergerConfig, run: PlainRun | None = None) -> dict
         try:
             result = _plain_run_export(plan, run)
         except MergeflowError as exc:
-            if Path(plan.output.staging).exists():
-                raise exc.kept_in(plan.output.staging)
-            raise
+            raise settle_failed_staging(exc, Path(plan.output.staging)) from None
         finally:
             lock.release()
     finally:

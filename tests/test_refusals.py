@@ -192,7 +192,8 @@ def test_non_finite_weight(ex: Export) -> None:
 
     rewrite_rank(rank_path(ex, 0), poison)
     err = expect_refusal(ex, E.CheckpointError, "inf or nan", stage="write")
-    assert err.staging_dir  # type: ignore[attr-defined]
+    # A rerun cannot succeed on this input: the shards written so far are removed, not kept for a resume.
+    assert err.staging_dir is None and leftovers(ex.root, ".out.") == []  # type: ignore[attr-defined]
 
 
 def test_replicas_that_disagree(tmp_path: Path) -> None:
@@ -395,7 +396,8 @@ def _touch_during_writes(victim: Path) -> AbstractContextManager[None]:
 def test_input_modified_during_export(ex: Export) -> None:
     with _touch_during_writes(rank_path(ex, 0)):
         err = expect_refusal(ex, E.InputChangedError, "changed during the export", stage="hash")
-    assert err.staging_dir
+    # Work built from the old bytes is no use to the rerun (it starts afresh once the input is stable).
+    assert err.staging_dir is None and leftovers(ex.root, ".out.") == []
 
 
 def test_disk_full_while_writing_a_shard(ex1: Export, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -443,11 +445,11 @@ def test_flow_refuses_at_inspect(ex: Export, prefect_api: object) -> None:
     expect_flow_refusal(ex, E.CheckpointError, "missing")
 
 
-def test_flow_keeps_and_reports_the_staging_of_a_refusal_during_the_writes(ex: Export, prefect_api: object) -> None:
+def test_flow_removes_the_staging_of_an_input_refusal_during_the_writes(ex: Export, prefect_api: object) -> None:
+    """The real flow: an input refused mid-export leaves no staging (resumable failures keep it: test_disk_full)."""
     with _touch_during_writes(rank_path(ex, 0)):
         err = expect_flow_refusal(ex, E.InputChangedError, "changed during the export")
-    staging = err.staging_dir
-    assert staging and Path(staging).is_dir(), "the kept staging directory was not reported"
+    assert err.staging_dir is None and leftovers(ex.root, ".out.") == []
 
 
 def test_flow_never_reuses_a_trusted_load_without_trust(ex1: Export, prefect_api: object) -> None:

@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from mergeflow.errors import ConcurrentExportError, UsageError
+from mergeflow.errors import ConcurrentExportError, MergeflowError, UsageError
 from mergeflow.io.fs import TargetLock
 from mergeflow.io.jsonfiles import is_partial_write
 from mergeflow.io.paths import STAGING_MARKER, lock_path_for
@@ -152,6 +152,23 @@ def describe_staging(staging: Path, *, now: float | None = None) -> StagingInfo:
 def list_staging(root: Path, *, depth: int = DEFAULT_SCAN_DEPTH) -> list[StagingInfo]:
     """Describe every kept staging directory under root."""
     return [describe_staging(p) for p in find_staging(root, depth=depth)]
+
+
+def settle_failed_staging(error: MergeflowError, staging: Path) -> MergeflowError:
+    """After a failed export (the target lock still held): keep the staging for a resume, or remove it.
+
+    Kept, and named in the error, only when rerunning the same command can use it (disk full,
+    an interruption, a failed validation); a refusal of the input leaves nothing behind.
+    """
+    if not staging.exists():
+        return error
+    if not error.resumable:
+        try:
+            shutil.rmtree(staging)
+            return error
+        except OSError:
+            pass  # could not remove it: say where it is rather than leave it unnamed
+    return error.kept_in(str(staging))
 
 
 def remove_staging(staging: Path) -> None:
