@@ -73,6 +73,7 @@ def test_the_os_errors_users_meet_become_one_line_refusals(code: int, error: str
     assert type(typed).__name__ == error and typed.exit_code == 2
     assert words in str(typed) and "/data/out/model.safetensors" in str(typed) and "\n" not in str(typed)
     assert typed.retryable == (code == errno.EIO)  # only a failing disk may heal on a retry
+    assert typed.resumable == (code != errno.ENOENT)  # a vanished input is a new export, not a resume
 
 
 def test_other_os_errors_stay_internal() -> None:
