@@ -15,8 +15,6 @@ from mergeflow.io.jsonfiles import JsonObject
 
 DEFAULT_DELIVERY_TIMEOUT = 30.0
 
-_EMIT_LOCK = threading.Lock()
-
 logger = logging.getLogger(__name__)
 
 
@@ -133,8 +131,7 @@ def checkpoint_saved(
     event = Event(event=EVENT_CHECKPOINT_SAVED, resource=resource, payload=payload)
     # A training process may exit right after this call (and spawned ranks exit with
     # os._exit): the event is sent, and confirmed, before it returns.
-    with _EMIT_LOCK:
-        failure = _send_confirmed(event, timeout)
+    failure = _send_confirmed(event, timeout)  # its own connection: concurrent callers do not wait on each other
     if isinstance(failure, (TimeoutError, asyncio.TimeoutError)):
         raise EventError(f"The event for {payload['local_dir']} was not sent to {api_url} within {timeout:g} s.")
     if failure is not None:

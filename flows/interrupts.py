@@ -17,7 +17,7 @@ from pathlib import Path
 from types import FrameType
 
 from mergeflow.io.interrupt import clear_stop, request_stop, stop_requested
-from mergeflow.io.paths import STAGING_MARKER
+from mergeflow.io.staging import staging_dirs_of
 
 # Exit status of a process ended by a signal, as shells report it: 128 + signal number.
 EXIT_STATUS = {signal.SIGINT: 130, signal.SIGTERM: 143}
@@ -77,13 +77,7 @@ def exit_status_of(signum: int) -> int:
 
 def kept_staging(target_dir: str | None) -> list[Path]:
     """The staging directories kept beside `target_dir` (what a rerun resumes)."""
-    if not target_dir:
-        return []
-    target = Path(target_dir).expanduser().absolute()
-    try:
-        return sorted(p for p in target.parent.glob(f".{target.name}{STAGING_MARKER}*") if p.is_dir())
-    except OSError:
-        return []
+    return staging_dirs_of(Path(target_dir)) if target_dir else []
 
 
 def interrupted_line(signum: int, target_dir: str | None) -> str:

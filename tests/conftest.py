@@ -7,6 +7,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 # Before anything imports huggingface_hub or prefect (both read these at import time).
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -48,6 +49,14 @@ def _drain_prefect_services() -> None:
 
     APILogWorker.drain_all(timeout=10)
     EventsWorker.drain_all(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def pristine_flux_w2(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A real W=2 FSDP2 Flux checkpoint and its base, built once per worker; tests edit clones (builders.clone_export)."""
+    from builders import make_export
+
+    return make_export(tmp_path_factory.mktemp("flux-w2"), "FluxTransformer2DModel", 2)
 
 
 @pytest.fixture()

@@ -21,7 +21,6 @@ from builders import (
     PlainRun,
     clone_export,
     leftovers,
-    make_export,
     plain_export,
     tree_digest,
 )
@@ -49,14 +48,10 @@ KNOWN_CLASSES = ("FluxTransformer2DModel", "SD3Transformer2DModel", "QwenImageTr
                  "WanTransformer3DModel", "LTX2VideoTransformer3DModel", "MiniMaxH3Transformer3DModel")
 
 
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory: pytest.TempPathFactory) -> Export:
-    return make_export(tmp_path_factory.mktemp("w2"), FLUX, 2)
-
-
 @pytest.fixture()
-def ex(pristine: Export, tmp_path: Path) -> Export:
-    return clone_export(pristine, tmp_path / "ck")
+def ex(pristine_flux_w2: Export, tmp_path: Path) -> Export:
+    """A private copy of the session's W=2 Flux checkpoint (conftest.py), free to damage."""
+    return clone_export(pristine_flux_w2, tmp_path / "ck")
 
 
 def _edit_json(path: Path, **changes: object) -> dict:

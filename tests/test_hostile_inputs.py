@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from builders import Export, clone_export, expect_refusal, make_export
+from builders import Export, clone_export, expect_refusal
 
 from mergeflow import errors as E
 
@@ -26,14 +26,10 @@ REPO = Path(__file__).resolve().parent.parent
 FLUX = "FluxTransformer2DModel"
 
 
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory: pytest.TempPathFactory) -> Export:
-    return make_export(tmp_path_factory.mktemp("hostile"), FLUX, 2)
-
-
 @pytest.fixture()
-def ex(pristine: Export, tmp_path: Path) -> Export:
-    return clone_export(pristine, tmp_path / "ck")
+def ex(pristine_flux_w2: Export, tmp_path: Path) -> Export:
+    """A private copy of the session's W=2 Flux checkpoint (conftest.py), free to damage."""
+    return clone_export(pristine_flux_w2, tmp_path / "ck")
 
 
 def _rewrite_header(path: Path, change: Callable[[dict[str, Any]], None]) -> None:
@@ -124,11 +120,11 @@ def _as_nobody(argv: list[str]) -> tuple[int, str]:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run `test` as another, unprivileged user")
-def test_test_on_an_unreadable_file_is_one_line(pristine: Export, tmp_path: Path, prefect_api: Any) -> None:
+def test_test_on_an_unreadable_file_is_one_line(pristine_flux_w2: Export, tmp_path: Path, prefect_api: Any) -> None:
     """A real EACCES: `mergeflow test` as nobody on an artifact with one file only root may read."""
     from mergeflow import merge_model
 
-    published = Path(merge_model(pristine.config(tmp_path / "out")).output_dir)
+    published = Path(merge_model(pristine_flux_w2.config(tmp_path / "out")).output_dir)
     shared = Path(tempfile.mkdtemp(prefix="mergeflow-eacces-", dir="/tmp"))
     try:
         artifact = shared / "artifact"

@@ -89,6 +89,14 @@ def find_staging(root: Path, *, depth: int = DEFAULT_SCAN_DEPTH) -> list[Path]:
     return sorted(found)
 
 
+def staging_dirs_of(target: Path) -> list[Path]:
+    """The staging directories kept beside `target` (what rerunning its export resumes)."""
+    target = Path(target).expanduser().absolute()
+    if not target.parent.is_dir():
+        return []
+    return [p for p in find_staging(target.parent, depth=1) if target_of(p) == target]
+
+
 def lock_is_held(lock: Path) -> bool:
     """True when a running export holds the flock on `lock` (a killed one's is released)."""
     try:
