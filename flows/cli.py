@@ -189,14 +189,23 @@ def _config_from(args: argparse.Namespace, operation: str) -> ModelMergerConfig:
     return ModelMergerConfig(operation=operation, **values)
 
 
-def _quiet_prefect(debug: bool) -> None:
+def pre_import_environment(debug: bool) -> dict[str, str]:
+    """The defaults every command sets before Prefect or huggingface_hub is imported (both read them then).
+
+    A variable the user set wins: these are applied with `setdefault`.
+    """
+    env: dict[str, str] = {}
     # Prefect's console handler prints task tracebacks; the user gets one line unless --debug.
-    # Must happen before prefect is imported; the API handler still sends every log to the UI.
+    # The API handler still sends every log to the UI.
     if not debug:
-        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "CRITICAL")
+        env["PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL"] = "CRITICAL"
     # Without PREFECT_API_URL Prefect starts a temporary server; on a busy machine its 20 s
     # default start-up limit is too tight.
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "120"
+    env["HF_HUB_DISABLE_TELEMETRY"] = "1"
+    # huggingface_hub's tqdm bars would interleave with our own progress line.
+    env["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    return env
 
 
 @contextmanager
@@ -331,10 +340,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     debug = bool(getattr(args, "debug", False))
-    _quiet_prefect(debug)
-    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-    # huggingface_hub's tqdm bars would interleave with our own progress line.
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    for name, value in pre_import_environment(debug).items():
+        os.environ.setdefault(name, value)
     try:
         result = COMMANDS[args.command](args)
     except (KeyboardInterrupt, Exception) as exc:  # noqa: BLE001 - every failure ends as one line and a status

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,12 +33,63 @@ import pytest  # noqa: E402
 from prefect_server import PrefectServer, start_prefect_server  # noqa: E402
 
 
+class _EarlyServer:
+    """The session's server, started in a thread when the session starts, so its 10-15 s start-up
+    overlaps test collection instead of stalling the first test that needs it."""
+
+    def __init__(self) -> None:
+        self._home = Path(tempfile.mkdtemp(prefix="mergeflow-tests-server-"))
+        self._context = start_prefect_server(self._home, auth_string=os.environ["PREFECT_API_AUTH_STRING"])
+        self._result: PrefectServer | BaseException | None = None
+        self._thread = threading.Thread(target=self._start, name="prefect-server-start", daemon=True)
+        self._thread.start()
+
+    def _start(self) -> None:
+        try:
+            self._result = self._context.__enter__()
+        except BaseException as exc:  # noqa: BLE001 - handed to the fixture, which raises it in the test
+            self._result = exc
+
+    def server(self) -> PrefectServer:
+        self._thread.join()
+        if isinstance(self._result, BaseException):
+            raise self._result
+        assert self._result is not None
+        return self._result
+
+    def stop(self) -> None:
+        self._thread.join()
+        if not isinstance(self._result, BaseException):
+            self._context.__exit__(None, None, None)
+        shutil.rmtree(self._home, ignore_errors=True)
+
+
+_early: list[_EarlyServer] = []
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # Not in the xdist controller: it runs no tests; each worker (or a plain -n 0 run) starts its own.
+    if os.environ.get("PYTEST_XDIST_WORKER") or not getattr(session.config.option, "numprocesses", None):
+        _early.append(_EarlyServer())
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for each in _early:
+        each.stop()
+
+
 @pytest.fixture(scope="session")
-def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
+def prefect_server() -> Iterator[PrefectServer]:
     """One real `prefect server start` on 127.0.0.1 for the whole session, stopped at the end."""
-    with start_prefect_server(tmp_path_factory.mktemp("prefect"), auth_string=os.environ["PREFECT_API_AUTH_STRING"]) as server:
-        yield server
-        _drain_prefect_services()
+    import forked_cli
+
+    if not _early:  # a session that skipped pytest_sessionstart
+        _early.append(_EarlyServer())
+    server = _early[0].server()
+    forked_cli.fork_commands_of(server.client_env())  # CLI runs against it skip the cold import (tests/forked_cli.py)
+    yield server
+    forked_cli.stop_zygotes()
+    _drain_prefect_services()
 
 
 def _drain_prefect_services() -> None:

@@ -15,11 +15,17 @@ from pathlib import Path
 
 from mergeflow.flows.local_server import healthy
 
-# Faster event persistence than the 5 s default, so tests that read events back wait less.
 _SERVER_SETTINGS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "PREFECT_SERVER_UI_ENABLED": "false",
+    # Faster event persistence than the 5 s default, so tests that read events back wait less.
     "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_FLUSH_INTERVAL": "0.5",
+    # The task-run recorder writes one event per transaction by default; after a flow of a dozen
+    # tasks the next flow run's creation waits about 2 s behind that queue (measured: a tiny merge
+    # took 0.5 s or 2.4 s, alternately). Batches flushed every second: 0.5 s every time. (Prefect
+    # truncates the interval to whole seconds; 0.5 becomes a busy loop.)
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100",
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",
     "PREFECT_LOGGING_LEVEL": "WARNING",
 }
 
@@ -49,9 +55,16 @@ class PrefectServer:
         """Point this process's Prefect settings at the server for the duration of the block."""
         # Prefect reads the environment once at import; a settings context is the
         # supported way to change PREFECT_API_URL inside a running process.
-        from prefect.settings import PREFECT_API_URL, temporary_settings
+        from prefect.settings import (
+            PREFECT_API_URL,
+            PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
+            temporary_settings,
+        )
 
-        with temporary_settings(updates={PREFECT_API_URL: self.api_url}):
+        # No flow-run heartbeats in-process: the engine joins its heartbeat thread at the end of
+        # every run, which is half of a tiny flow's 1.1 s here. Nothing in-process tests them; the
+        # CLI subprocesses run with Prefect's default (a heartbeat every 180 s), as users do.
+        with temporary_settings(updates={PREFECT_API_URL: self.api_url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
             yield
 
     def log_tail(self, chars: int = 4000) -> str:

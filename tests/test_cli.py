@@ -1,4 +1,4 @@
-"""The command line as users type it: subprocesses against the session's real Prefect server."""
+"""The command line as users type it: separate processes (tests/forked_cli.py) against the session's real Prefect server."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 import threading
 from pathlib import Path
 
+import forked_cli
 import pytest
 from builders import leftovers, make_export, tree_digest
 
@@ -17,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_cli(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "mergeflow", *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return forked_cli.mergeflow(args, env, timeout=timeout)
 
 
 @pytest.fixture()

@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
+import forked_cli
 from builders import Export, leftovers, make_export, tree_digest
 
 from mergeflow import merge_model
@@ -21,9 +21,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _merge(ex: Export, target: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, "-m", "mergeflow", "merge", "--backend", "fsdp", "--local_dir", str(ex.actor_dir),
-            "--base_model", str(ex.base_dir), "--target_dir", str(target), "--output_format", "transformer"]
-    return subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    args = ["merge", "--backend", "fsdp", "--local_dir", str(ex.actor_dir), "--base_model", str(ex.base_dir),
+            "--target_dir", str(target), "--output_format", "transformer"]
+    return forked_cli.mergeflow(args, env)
 
 
 def test_a_kill_at_every_durable_write_resumes_to_the_same_bytes(tmp_path: Path, prefect_server, prefect_api) -> None:  # type: ignore[no-untyped-def]

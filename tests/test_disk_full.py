@@ -9,10 +9,10 @@ after each failure a plain rerun resumes and publishes the same bytes as a clean
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
+import forked_cli
 import pytest
 from builders import leftovers, make_export, tree_digest
 
@@ -100,12 +100,9 @@ def test_a_really_full_filesystem_is_one_line_without_a_stray_lock(tmp_path: Pat
         ex = make_export(tmp_path / "in", "FluxTransformer2DModel", 2)
         (mount / "pad").mkdir()  # an inode in use; with size=..k the export's data does not fit
         target = mount / "out"
-        env = {**prefect_server.client_env(), "PYTHONPATH": str(REPO)}
-        done = subprocess.run(
-            [sys.executable, "-m", "mergeflow", "merge", "--backend", "fsdp", "--local_dir", str(ex.actor_dir),
-             "--base_model", str(ex.base_dir), "--target_dir", str(target), "--output_format", "transformer"],
-            env=env, capture_output=True, text=True, timeout=240, check=False,
-        )
+        done = forked_cli.mergeflow(
+            ["merge", "--backend", "fsdp", "--local_dir", str(ex.actor_dir), "--base_model", str(ex.base_dir),
+             "--target_dir", str(target), "--output_format", "transformer"], prefect_server.client_env(), timeout=240)
         lines = [line for line in done.stderr.splitlines() if line.strip() and not line.startswith("mergeflow: flow run")]
         assert done.returncode == 2, done.stderr[-3000:]
         assert lines[-1].startswith("mergeflow: error: no space left"), (what, lines[-1])

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forked_cli
 import pytest
 import torch
 import torch.distributed as dist
@@ -188,8 +189,7 @@ def test_completion_record_and_refusals(tmp_path: Path) -> None:
 
 
 def run_cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "mergeflow", *args], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    return forked_cli.mergeflow(args, env)
 
 
 def test_mergeflow_exports_and_validates_a_generated_checkpoint(tmp_path: Path, prefect_server) -> None:  # type: ignore[no-untyped-def]

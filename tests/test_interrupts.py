@@ -5,12 +5,11 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import forked_cli
 import pytest
 from builders import make_export
 
@@ -50,10 +49,9 @@ def test_an_interrupted_export_ends_with_one_line_and_resumes(tmp_path: Path, pr
                                                               status: int) -> None:
     ex = make_export(tmp_path, "FluxTransformer2DModel", 2)
     target = tmp_path / "out"
-    env = dict(prefect_server.client_env(), PYTHONPATH=str(REPO))
+    env = prefect_server.client_env()
     # Every written tensor slowed down (tests/slow_cli.py), so the signal lands mid-write.
-    proc = subprocess.Popen([sys.executable, str(TESTS / "slow_cli.py"), "0.15", *merge_args(ex, target)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = forked_cli.popen([str(TESTS / "slow_cli.py"), "0.15", *merge_args(ex, target)], env)
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and proc.poll() is None:
@@ -65,13 +63,12 @@ def test_an_interrupted_export_ends_with_one_line_and_resumes(tmp_path: Path, pr
         for _ in range(times):
             os.kill(proc.pid, signum)
             time.sleep(0.2)
-        _, err = proc.communicate(timeout=60)
+        _, text = proc.communicate(timeout=60)
         took = time.monotonic() - sent
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
-    text = err.decode(errors="replace")
     assert proc.returncode == status, text[-3000:]
     assert took < 15, f"took {took:.1f} s to stop"
     lines = [line for line in text.splitlines() if line.strip()]
@@ -88,8 +85,7 @@ def test_an_interrupted_export_ends_with_one_line_and_resumes(tmp_path: Path, pr
     assert kept.is_dir() and kept.parent == tmp_path and not target.exists()
     if times == 1:
         return  # the resume after a kill is proven elsewhere (test_resume, test_crash_recovery); once here
-    rerun = subprocess.run([sys.executable, "-m", "mergeflow", *merge_args(ex, target)], env=env,
-                           capture_output=True, text=True, timeout=240)
+    rerun = forked_cli.mergeflow(merge_args(ex, target), env, timeout=240)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert check_artifact(str(target))["integrity"] == "passed"
     assert not kept.exists()

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import forked_cli
 import pytest
 from builders import assert_bit_exact, make_export, output_state, tree_digest
 from prefect_runs import latest_flow_run, shard_states, task_runs
@@ -137,8 +138,7 @@ def test_merge_killed_mid_write_resumes_byte_identical(tmp_path: Path, prefect_s
     reference = Path(merge_model(ex.config(tmp_path / "reference", max_shard_size=SHARD)).output_dir)
     target = tmp_path / "killed"
     env = prefect_server.client_env()
-    proc = subprocess.Popen([sys.executable, str(TESTS / "slow_cli.py"), "0.1", *_merge_args(ex, target)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = forked_cli.popen([str(TESTS / "slow_cli.py"), "0.1", *_merge_args(ex, target)], env)
     deadline = time.monotonic() + 120
     records: list[Path] = []
     try:
@@ -161,8 +161,7 @@ def test_merge_killed_mid_write_resumes_byte_identical(tmp_path: Path, prefect_s
     assert [s.target for s in staged] == [str(target)] and not staged[0].locked
     assert 1 <= staged[0].resumable_shards < len(shard_names(reference))
 
-    rerun = subprocess.run([sys.executable, "-m", "mergeflow", *_merge_args(ex, target)], env=env,
-                           capture_output=True, text=True, timeout=240)
+    rerun = forked_cli.mergeflow(_merge_args(ex, target), env, timeout=240)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert json.loads(rerun.stdout.strip().splitlines()[-1])["output_dir"] == str(target)
     assert tree_digest(target) == tree_digest(reference)  # staging and target names differ, bytes do not
