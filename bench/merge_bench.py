@@ -90,7 +90,10 @@ def bench_dtype(actor: Path, base: Path, work: Path, dtype: str, repeats: int, e
         cli_s, peak = timed_command(mergeflow_argv("merge", "--backend", "fsdp", "--local_dir", str(actor),
                                                    "--base_model", str(base), "--target_dir", str(target),
                                                    "--output_format", "transformer", "--dtype", dtype), env)
-        run, spans = flow_timeline(f"merge-{target.name}")
+        # The run name the flow gives itself (training run and step of the source).
+        from mergeflow.flows.run_names import export_label
+
+        run, spans = flow_timeline(f"merge-{export_label(target, actor)}")
         flow_s = (run.end_time - run.start_time).total_seconds()
         if i > 0:
             runs.append(Run(floor, floor_wb, cli_s, flow_s, peak, spans))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+from pathlib import Path
 from uuid import UUID
 
 from prefect.artifacts import (
@@ -11,7 +13,10 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
+from mergeflow.export.progress import human_bytes
+from mergeflow.flows.run_names import export_label
 from mergeflow.io.jsonfiles import JsonObject
+from mergeflow.lora.artifact import ADAPTER_DIR
 from mergeflow.records import MergePlan
 
 
@@ -21,43 +26,98 @@ def artifact_key(prefix: str, name: str) -> str:
     return f"{prefix}-{cleaned}"[:100].rstrip("-")
 
 
-def start_progress(plan: MergePlan, total_shards: int) -> UUID | None:
+def start_progress(plan: MergePlan, total_bytes: int) -> UUID | None:
+    """The run's progress artifact: percent of the output's bytes written, counted tensor by tensor."""
     return create_progress_artifact(
         progress=0.0,
-        key=artifact_key("merge-progress", plan.output.target.rsplit("/", 1)[-1]),
-        description=f"Shards written and verified (of {total_shards})",
+        key=artifact_key("merge-progress", export_label(plan.output.target, plan.checkpoint.actor_dir)),
+        description=_progress_words(0, total_bytes),
     )
 
 
-def report_progress(artifact_id: UUID | None, done: int, total: int) -> None:
+def report_progress(artifact_id: UUID | None, done: int, total: int, stopped: bool = False) -> None:
+    """`done` bytes of `total` written; `stopped`: the run failed or was interrupted there (its final value)."""
     if artifact_id is not None:
-        update_progress_artifact(artifact_id=artifact_id, progress=100.0 * done / max(total, 1))
+        update_progress_artifact(artifact_id=artifact_id, progress=100.0 * done / total if total > 0 else 100.0,
+                                 description=_progress_words(done, total, stopped))
 
 
-def publish_manifest_artifacts(plan: MergePlan, manifest: JsonObject, output_dir: str) -> None:
-    """The manifest as a table (one row per file) and a markdown summary of the export."""
-    name = plan.output.target.rsplit("/", 1)[-1]
-    rows = [{"file": rel, "sha256": digest} for rel, digest in manifest["files"].items()]
-    create_table_artifact(table=rows, key=artifact_key("merge-manifest", name), description="Files of the published artifact and their sha256")
-    total = sum(
-        _numel(info["shape"]) * _itemsize(info["dtype"]) for info in manifest["tensors"].values()
-    )
-    layers = ", ".join(f"{k}: {v}" for k, v in manifest["verification"].items())
-    markdown = "\n".join([
+def _progress_words(done: int, total: int, stopped: bool = False) -> str:
+    from mergeflow.export.progress import human_bytes
+
+    words = f"{human_bytes(done)} of {human_bytes(total)} written"
+    return f"Stopped: {words}" if stopped else words
+
+
+# What each layer of the manifest's `verification` proved, for the summary (SPEC: verification layers).
+LAYER_MEANINGS = {
+    "structure": "pipeline contract, config equivalence, exact tensor coverage, base weight index, path safety",
+    "source_round_trip": "every reconstructed tensor re-sliced and compared bit for bit with each rank's shard",
+    "artifact_round_trip": "every written shard reopened and its tensors compared with what was meant to be written",
+    "integrity": "copied files' hashes equal the base's, inputs unchanged, the staged tree passed `mergeflow test`",
+    "runtime": "loading and running the model; `not_run` means mergeflow never ran the model (no GPU run is part "
+               "of an export): load it in your own pipeline to check inference",
+}
+
+
+def tree_sizes(root: Path) -> dict[str, int]:
+    """Size in bytes of every file below root, by relative POSIX path."""
+    return {p.relative_to(root).as_posix(): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def manifest_rows(manifest: JsonObject, sizes: dict[str, int]) -> list[dict[str, object]]:
+    """One table row per manifest file: path, size and sha256 (a LoRA-only export lists files below lora_adapter/)."""
+    rows = []
+    for rel, digest in manifest["files"].items():
+        size = sizes.get(rel, sizes.get(f"{ADAPTER_DIR}/{rel}"))
+        rows.append({"file": rel, "size": human_bytes(size) if size is not None else "?", "bytes": size, "sha256": digest})
+    return rows
+
+
+def validate_command(output_dir: str) -> str:
+    return f"mergeflow test --backend fsdp --test_hf_dir {shlex.quote(output_dir)}"
+
+
+def summary_markdown(plan: MergePlan, manifest: JsonObject, output_dir: str, total_bytes: int) -> str:
+    """The export at a glance: source, base, output, what each verification layer proved, how to re-check it."""
+    tensor_bytes = sum(_numel(info["shape"]) * _itemsize(info["dtype"]) for info in manifest["tensors"].values())
+    layers = [f"| {layer} | {state} | {LAYER_MEANINGS.get(layer, '')} |" for layer, state in manifest["verification"].items()]
+    return "\n".join([
         f"# Merged {manifest['architecture']}",
         "",
         "| field | value |",
         "|---|---|",
+        f"| source | `{plan.checkpoint.actor_dir}` |",
+        f"| base model | `{plan.base.base_dir}` |" if plan.base.base_dir else "| base model | a Hub model (see the manifest) |",
         f"| output | `{output_dir}` |",
         f"| artifact type | {manifest['artifact_type']} |",
         f"| world size | {plan.checkpoint.world_size} (FSDP v{plan.checkpoint.fsdp_version}) |",
-        f"| tensors | {len(manifest['tensors'])} ({total / 1e6:.1f} MB) |",
-        f"| files | {len(manifest['files']) + 1} |",
+        f"| tensors | {len(manifest['tensors'])} ({human_bytes(tensor_bytes)}) |",
+        f"| files | {len(manifest['files']) + 1} ({human_bytes(total_bytes)}) |",
         f"| dtype policy | {manifest['dtype']} |",
-        f"| verification | {layers} |",
         f"| source fingerprint | `{manifest['source_fingerprint'][:16]}` |",
+        "",
+        "## Verification (all before publication)",
+        "",
+        "| layer | result | what it checked |",
+        "|---|---|---|",
+        *layers,
+        "",
+        "Re-check the published artifact at any time, without the source checkpoint:",
+        "",
+        f"```\n{validate_command(output_dir)}\n```",
     ])
-    create_markdown_artifact(markdown=markdown, key=artifact_key("merge-summary", name), description="Export summary")
+
+
+def publish_manifest_artifacts(plan: MergePlan, manifest: JsonObject, output_dir: str, label: str) -> int:
+    """The manifest as a table (one row per file, with sizes) and a markdown summary; returns the artifact's bytes."""
+    sizes = tree_sizes(Path(output_dir))
+    total = sum(sizes.values())
+    create_table_artifact(table=manifest_rows(manifest, sizes), key=artifact_key("merge-manifest", label),
+                          description="Files of the published artifact: size and sha256")
+    create_markdown_artifact(markdown=summary_markdown(plan, manifest, output_dir, total),
+                             key=artifact_key("merge-summary", label), description="Export summary")
+    return total
 
 
 def _numel(shape: list[int]) -> int:

@@ -13,6 +13,7 @@ from typing import Any
 
 from prefect import flow
 from prefect.runtime import flow_run
+from pydantic import BaseModel, ConfigDict, Field
 
 from mergeflow.config import (
     DEFAULT_DTYPE,
@@ -27,6 +28,7 @@ from mergeflow.config import (
 )
 from mergeflow.errors import UsageError
 from mergeflow.flows.merge import merge_flow
+from mergeflow.flows.run_names import export_label, slug
 from mergeflow.flows.runners import make_task_runner
 from mergeflow.formats.verl_checkpoint import step_of
 from mergeflow.io.confinement import Confinement
@@ -126,18 +128,41 @@ def resolve_checkpoint_config(
     return config
 
 
+class CheckpointPayload(BaseModel):
+    """The `mergeflow.checkpoint.saved` event's payload: the checkpoint to export (what the UI's form asks for)."""
+
+    # Training code may add its own keys (`extra=` of checkpoint_saved); they ride along unread.
+    model_config = ConfigDict(extra="allow")
+
+    local_dir: str = Field(description="Absolute path of the checkpoint's actor directory, as verl saves it: "
+                                       "<train_dir>/global_step_<N>/actor (below one of checkpoint_roots).")
+    step: int | None = Field(default=None, description="Training step N; default: read from the global_step_<N> folder name.")
+    run_name: str | None = Field(default=None, description="Training run name (a plain folder name); default: the folder "
+                                                           "above global_step_<N>. Names the target and the flow run.")
+    base_model: str | None = Field(default=None, description="Absolute path of the base model; default: the deployment's "
+                                                             "base_model (or one of allowed_base_models).")
+    target_dir: str | None = Field(default=None, description="Absolute path to publish to (below target_root); default: "
+                                                             "<target_root>/<run_name>/global_step_<N>.")
+
+
+def payload_dict(checkpoint: CheckpointPayload | JsonObject) -> JsonObject:
+    """The payload as the plain JSON object the event carried (the flow may be called with either)."""
+    return checkpoint.model_dump() if isinstance(checkpoint, BaseModel) else checkpoint
+
+
 def checkpoint_run_name() -> str:
+    """`checkpoint-<run>-step<N>`: the same label its merge subflow (`merge-<run>-step<N>`) carries."""
     checkpoint = (flow_run.parameters or {}).get("checkpoint") or {}
-    if not isinstance(checkpoint, dict):
-        return "checkpoint"
-    run = checkpoint.get("run_name") or "checkpoint"
-    step = checkpoint.get("step")
-    return f"{run}-step-{step}" if step is not None else str(run)
+    payload = payload_dict(checkpoint) if isinstance(checkpoint, (dict, BaseModel)) else {}
+    run, step = payload.get("run_name"), payload.get("step")
+    if run and isinstance(step, int) and not isinstance(step, bool):
+        return f"checkpoint-{slug(str(run)) or 'run'}-step{step}"
+    return f"checkpoint-{export_label(payload.get('target_dir') or payload.get('local_dir'), payload.get('local_dir'))}"
 
 
 @flow(name="mergeflow-merge-checkpoint", flow_run_name=checkpoint_run_name, validate_parameters=True)
 def merge_checkpoint_flow(
-    checkpoint: JsonObject,
+    checkpoint: CheckpointPayload,
     base_model: str | None = None,
     target_root: str | None = None,
     output_format: OutputFormat = DEFAULT_OUTPUT_FORMAT,
@@ -156,16 +181,32 @@ def merge_checkpoint_flow(
     The event may only name checkpoints under `checkpoint_roots`, targets under `target_root`
     and the base models `base_model` and `allowed_base_models`: anything else is refused
     before it is read or written.
+
+    Args:
+        checkpoint: The checkpoint to export: the event's payload (a trigger passes it whole).
+        base_model: Absolute path of the base model a payload without base_model merges onto.
+        target_root: Exports go to <target_root>/<run_name>/global_step_<N>; every target must lie below it.
+        output_format: pipeline: the whole Diffusers pipeline; transformer: the trained transformer alone.
+        dtype: Dtype of the written weights; preserve keeps the trained dtypes.
+        max_shard_size: Bytes per output .safetensors file (2147483648 = 2 GiB).
+        hf_upload_path: ORG/REPO to upload each export to after publication; may use {run_name} and {step}.
+        private: Create the Hub repo private.
+        workers: Parallel rank loaders and shard writers.
+        task_runner: thread: in this process; dask: on the Dask cluster at dask_address (shared filesystem).
+        dask_address: Scheduler address of a running Dask cluster (default: a temporary local cluster).
+        checkpoint_roots: An event's local_dir must lie below one of these (symlinks followed).
+        allowed_base_models: Base models an event may name besides base_model.
     """
+    payload = payload_dict(checkpoint)
     confinement = Confinement.of(checkpoint_roots, target_root, [b for b in (base_model, *(allowed_base_models or ())) if b])
     config = resolve_checkpoint_config(
-        checkpoint, confinement=confinement, base_model=base_model, target_root=target_root, output_format=output_format, dtype=dtype,
+        payload, confinement=confinement, base_model=base_model, target_root=target_root, output_format=output_format, dtype=dtype,
         max_shard_size=max_shard_size, hf_upload_path=hf_upload_path, private=private, workers=workers,
     )
     target = Path(str(config.target_dir))
     if not Path(confinement.target_root).is_dir():
         raise UsageError(f"--target-root {target_root} does not exist (any more); create it")
-    if not checkpoint.get("target_dir"):
+    if not payload.get("target_dir"):
         target.parent.mkdir(exist_ok=True)  # the per-run folder under the target root (checked above)
     runner = make_task_runner(task_runner, workers=workers, dask_address=dask_address)
     return merge_flow.with_options(task_runner=runner)(config=config)

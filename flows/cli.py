@@ -23,6 +23,7 @@ from mergeflow.config import (
     ModelMergerConfig,
 )
 from mergeflow.errors import MergeflowError, one_line
+from mergeflow.flows.backfill import StepResult, add_backfill_command
 from mergeflow.flows.interrupts import (
     end_soon,
     exit_status_of,
@@ -145,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(merge, "--qkv-layout", "--qkv_layout", dest="qkv_layout", default="interleaved", choices=QKV_LAYOUTS,
           help="fused QKV layout of MiniMax H3's native package")
     _flag(merge, "--workers", type=int, default=DEFAULT_WORKERS, help="parallel shard writers")
+    _flag(merge, "--allow-unchanged", "--allow_unchanged", dest="allow_unchanged", action="store_true",
+          help="publish even when every exported tensor equals the base's bit for bit (refused otherwise)")
     add_task_runner_flags(merge)
 
     test = command("test", "validate a published artifact without its source")
@@ -174,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(demo, "--workdir", help="where to build it (default: a new temp dir)")
     _debug(demo)
     add_ops_commands(sub)
+    add_backfill_command(sub)
 
     server = command("server", "the background local Prefect server that commands use without PREFECT_API_URL")
     _flag(server, "action", choices=["status", "start", "stop"], help="what to do with it")
@@ -211,9 +215,14 @@ def pre_import_environment(debug: bool) -> dict[str, str]:
 @contextmanager
 def _running_flows() -> Iterator[None]:
     """Around every command that runs a flow: a Prefect API to run against, and each run's UI link."""
-    from mergeflow.flows.local_server import configured_api_url, ensure_local_server
+    from mergeflow.flows.local_server import (
+        configured_api_url,
+        ensure_command_server,
+        ensure_local_server,
+    )
 
-    started = ensure_local_server()  # first: it may set PREFECT_API_URL, which Prefect reads when imported
+    # First: either may set PREFECT_API_URL, which Prefect reads when imported.
+    started = ensure_local_server() or ensure_command_server()
     if started is None and configured_api_url():
         from mergeflow.flows.events import reachable_api_url
 
@@ -244,6 +253,18 @@ def cmd_merge(args: argparse.Namespace) -> JsonObject:
     if result.upload is not None:
         out["upload"] = result.upload
     return out
+
+
+def cmd_backfill(args: argparse.Namespace) -> JsonObject:
+    from mergeflow.flows.backfill import backfill, settings_from, summary
+
+    def report(step: StepResult) -> None:
+        print(step.line(), flush=True)  # one line per step as it finishes; the JSON summary stays the last line
+
+    with _running_flows():
+        from mergeflow.flows.api import merge_model
+
+        return summary(backfill(settings_from(args), merge_model, report))
 
 
 def cmd_test(args: argparse.Namespace) -> JsonObject:
@@ -303,6 +324,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], JsonObject]] = {
     "verify-upload": cmd_verify_upload,
     "server": cmd_server,
     **OPS_COMMANDS,
+    "backfill": cmd_backfill,
 }
 
 # Published locally, but the requested Hub upload failed: distinct from a failed export.
@@ -316,8 +338,8 @@ def _report_failure(exc: BaseException, target_dir: str | None, debug: bool) -> 
     signum = first_signal(exc)
     if signum is not None:  # Ctrl-C or SIGTERM, whatever error the stopping workers raised meanwhile
         status = exit_status_of(signum)
-        end_soon(status)
         print(interrupted_line(signum, target_dir), file=sys.stderr, flush=True)
+        end_soon(status)
         return status
     if isinstance(exc, OSError) and not isinstance(exc, MergeflowError):
         exc = typed_os_error(exc) or exc  # raised outside a flow (inspect, test, a lock on a full disk)

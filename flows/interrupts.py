@@ -8,8 +8,10 @@ cleanup is what used to abort the process ("terminate called without an active e
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -88,9 +90,32 @@ def interrupted_line(signum: int, target_dir: str | None) -> str:
 
 
 def end_soon(status: int) -> None:
-    """Make sure the process ends with `status` even if a worker or Prefect's exit hooks hang."""
+    """Called once the line is printed: the process ends with `status`, quickly and silently.
+
+    Where the Prefect API still answers, the normal exit sends what is queued (the UI keeps the
+    run's last logs), within EXIT_GRACE_S. Where it does not (Prefect's temporary per-command
+    server is in the command's process group and died with the Ctrl-C), nothing queued can be
+    delivered: waiting for Prefect's retries only printed their errors after the line, for 10 s.
+    """
     for sig in EXIT_STATUS:
         signal.signal(sig, signal.SIG_IGN)  # the line is printed; more Ctrl-C changes nothing
+    # After the one line, no more console output: Prefect's services report failed sends at ERROR.
+    logging.disable(logging.ERROR)
+    if not _api_answers():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
     timer = threading.Timer(EXIT_GRACE_S, os._exit, (status,))
     timer.daemon = True
     timer.start()
+
+
+def _api_answers() -> bool:
+    if "prefect" not in sys.modules:  # stopped before any flow ran: nothing is queued
+        return True
+    from prefect.settings import get_current_settings
+
+    from mergeflow.flows.local_server import healthy
+
+    url = get_current_settings().api.url
+    return bool(url) and healthy(str(url), timeout=1.0)

@@ -36,7 +36,7 @@ from mergeflow.io.jsonfiles import JsonObject
 STATE_FILE = "mergeflow-server.json"
 LOG_FILE = "mergeflow-server.log"
 LOCK_FILE = "mergeflow-server.lock"
-OPT_OUT_VAR = "MERGEFLOW_LOCAL_SERVER"  # "0" / "off": Prefect's temporary server, as without mergeflow
+OPT_OUT_VAR = "MERGEFLOW_LOCAL_SERVER"  # "0" / "off": a temporary server per command (start_command_server)
 STARTUP_TIMEOUT_VAR = "MERGEFLOW_SERVER_STARTUP_TIMEOUT"
 DEFAULT_STARTUP_TIMEOUT_S = 60.0
 HOST = "127.0.0.1"
@@ -207,18 +207,34 @@ def _server_env(home: Path) -> dict[str, str]:
     env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
     # The CLI silences its own console logs; the server's log file should still say what happens.
     env.pop("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", None)
+    for name, value in RECORDER_BATCHING.items():
+        env.setdefault(name, value)  # the user's own setting wins
     return env
 
 
-def _start(home: Path) -> ServerState:
+# Prefect's task-run recorder writes each task-run event in its own transaction; after a flow of
+# a dozen tasks the next flow run's creation waits about 2 s behind that queue (measured on the
+# tests' server: a tiny merge took 0.5 s or 2.4 s, alternately; batched, 0.5 s every time).
+# Back-to-back runs (backfill, a served deployment, a rerun) pay it each time. The interval is
+# whole seconds: Prefect truncates it, and 0 would be a busy loop.
+RECORDER_BATCHING = {
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100",
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",
+}
+
+
+def _start(home: Path, *, ends_with_this_process: bool = False) -> ServerState:
     """Start `prefect server start` detached (its own session, so Ctrl-C here leaves it) and wait for health."""
     port = _free_port()
     api_url = f"http://{HOST}:{port}/api"
     log_path = home / LOG_FILE
     command = [sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(port), "--analytics-off"]
+    if ends_with_this_process:
+        command.append("--no-ui")  # its runs vanish with it: no UI to link to
     with open(log_path, "ab") as log:
         process = subprocess.Popen(command, env=_server_env(home), stdin=subprocess.DEVNULL, stdout=log,
-                                   stderr=subprocess.STDOUT, start_new_session=True, cwd=home)
+                                   stderr=subprocess.STDOUT, start_new_session=True, cwd=home,
+                                   preexec_fn=_end_with_parent if ends_with_this_process else None)
     try:
         _wait_healthy(process, api_url, log_path)
     except BaseException:  # Ctrl-C included: a server nobody recorded must not keep running
@@ -265,6 +281,51 @@ def start_local_server(home: Path | None = None) -> tuple[ServerState, bool]:
         if state is not None and _is_our_server(state):
             _stop_group(state.pid)  # running but not answering: replace it rather than leave it behind
         return _start(home), True
+
+
+def _end_with_parent() -> None:
+    """In the server's child before exec: SIGTERM it when the command's process ends, however it ends."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def start_command_server() -> ServerState:
+    """With MERGEFLOW_LOCAL_SERVER=0 and no API configured: a server for this one command.
+
+    Prefect's own temporary server is a child in the command's process group, so a terminal's
+    Ctrl-C killed it with the command, and the interrupted export then spent a minute retrying
+    sends to it and printing their errors. This one is in its own session, ends with the
+    command's process (PR_SET_PDEATHSIG, so even a kill -9 leaves none behind) and is stopped by
+    an exit hook registered before Prefect's, which therefore still reach it when they drain.
+    """
+    import atexit
+    import shutil
+    import tempfile
+
+    home = Path(tempfile.mkdtemp(prefix="mergeflow-command-server-"))
+    state = _start(home, ends_with_this_process=True)
+
+    def stop() -> None:
+        _stop_group(state.pid)
+        shutil.rmtree(home, ignore_errors=True)
+
+    atexit.register(stop)
+    return state
+
+
+def ensure_command_server() -> ServerState | None:
+    """Opted out of the background server and no API configured: start this command's own (see above).
+
+    Must run before Prefect is imported in this process, like ensure_local_server.
+    """
+    if local_server_enabled() or configured_api_url():
+        return None
+    state = start_command_server()
+    os.environ["PREFECT_API_URL"] = state.api_url
+    os.environ.setdefault("PREFECT_UI_URL", "")  # no flow-run links to a UI that ends with the command
+    return state
 
 
 def ensure_local_server(stream: IO[str] = sys.stderr) -> ServerState | None:

@@ -2,25 +2,36 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
-from prefect.futures import PrefectFuture, as_completed
+from prefect.futures import PrefectFuture
 from prefect.runtime import flow_run
 from prefect.utilities.annotations import opaque
 
 from mergeflow.architectures.conversions import convert_writes
 from mergeflow.config import ModelMergerConfig
 from mergeflow.errors import MergeflowError, UploadError
+from mergeflow.export.progress import (
+    HASHING,
+    INSPECTING,
+    LOADING,
+    PUBLISHING,
+    UPLOADING,
+    VALIDATING,
+)
 from mergeflow.export.reconstruct import RankStates
 from mergeflow.export.shard_writer import pack_shards
+from mergeflow.export.unchanged import guard_unchanged
 from mergeflow.flows.artifacts import (
     publish_manifest_artifacts,
-    report_progress,
     start_progress,
 )
+from mergeflow.flows.progress import merge_progress
+from mergeflow.flows.run_names import export_label
 from mergeflow.io.fs import TargetLock
 from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.io.os_errors import typed_os_error
@@ -41,9 +52,10 @@ from mergeflow.tasks.write import write_shard
 
 
 def merge_run_name() -> str:
+    """`merge-<run>-step<N>` (else `merge-<parent>-<leaf>` of the target): see export_label."""
     config = (flow_run.parameters or {}).get("config")
-    target = config.get("target_dir") if isinstance(config, dict) else getattr(config, "target_dir", None)
-    return f"merge-{Path(str(target or 'artifact')).name}"
+    fields = config if isinstance(config, dict) else vars(config) if config is not None else {}
+    return f"merge-{export_label(fields.get('target_dir'), fields.get('local_dir'))}"
 
 
 def light(value: Any) -> Any:
@@ -72,7 +84,7 @@ def rank_digests(plan: MergePlan, futures: list[PrefectFuture[str]]) -> dict[str
     return {plan.checkpoint.rank_files[rank]: future.result() for rank, future in enumerate(futures)}
 
 
-def run_export(plan: MergePlan) -> tuple[dict[str, str], JsonObject]:
+def run_export(plan: MergePlan, allow_unchanged: bool = False) -> tuple[dict[str, str], JsonObject]:
     """The steps after inspection, run while the target lock is held."""
     logger = get_run_logger()
     check_target(Path(plan.output.target))  # re-checked under the lock: another export may have finished
@@ -80,6 +92,8 @@ def run_export(plan: MergePlan) -> tuple[dict[str, str], JsonObject]:
     if left:
         logger.info("Removed %d temporary file(s) a killed run left: %s", len(left), ", ".join(left[:5]))
     rank_futures = [load_rank_shards.submit(light_submit(plan), rank) for rank in range(plan.checkpoint.world_size)]
+    progress = merge_progress()
+    progress.counting(LOADING, rank_futures)  # loading ranks k/W
     indexes = [f.result() for f in rank_futures]
     logger.info("Indexed %d rank files of world size %d", len(indexes), plan.checkpoint.world_size)
     lora = plan_lora(light(plan), light(indexes)) if plan.lora is not None else None
@@ -90,6 +104,7 @@ def run_export(plan: MergePlan) -> tuple[dict[str, str], JsonObject]:
         adapter = write_lora_adapter(light(plan), light(lora), light(indexes), rank_digests(plan, hashes))
     if lora is not None and not lora.writes_model:  # a LoRA-only adapter export: lora_adapter/ is the artifact
         verified = {f"{ADAPTER_DIR}/{adapter.shard.file_name}": adapter.shard.verified()}
+        progress.begin(VALIDATING)
         return publish(light(plan), validate_staged_task(light(plan), adapter.manifest, light(verified))), adapter.manifest
     writes = (plan_lora_writes(light(plan), light(lora), light(indexes)) if lora is not None
               else plan_reconstruction(light(plan), light(indexes)))
@@ -97,26 +112,30 @@ def run_export(plan: MergePlan) -> tuple[dict[str, str], JsonObject]:
     # Pipeline assets are copied while the shards are written.
     copy_future = copy_components.submit(light_submit(plan)) if plan.base.copy_files else None
     output = pack_shards(writes, plan.options.max_shard_size, plan.output.weights_name, plan.fingerprint)
-    progress = start_progress(plan, len(output.shards))
+    artifact = start_progress(plan, output.total_size)
+    progress.begin_writing(output)  # bytes written of output.total_size
     futures = [write_shard.submit(light_submit(plan), light_submit(shard)) for shard in output.shards]
     if hashes is None:
         # Queued behind the shard writers: the rank files are hashed on the core they leave idle.
         hashes = submit_rank_hashes(plan)
     records: dict[str, ShardRecord] = {}
-    for future in as_completed(futures):
-        record = future.result()
+    for record in progress.written_shards(futures, artifact):  # the artifact follows the bytes, also when a write fails
         records[record.file_name] = record
-        report_progress(progress, len(records), len(futures))
     ordered = [records[s.file_name] for s in output.shards]
     logger.info("Wrote %d shard(s), %d tensors, %d bytes", len(ordered), output.tensor_count, output.total_size)
+    progress.counting(HASHING, hashes)  # what the writers left of hashing the rank files
     copied = copy_future.result() if copy_future is not None else None
     extra_files = (list(adapter.files) if adapter else []) + (list(copied.files) if copied else [])
     manifest = write_metadata(light(plan), light(output), rank_digests(plan, hashes), light(ordered), extra_files or None,
                               lora.fusion_record() if lora else None)
+    if adapter is None:  # an exported LoRA adapter is the training: the model beside it is the base by design
+        manifest = guard_unchanged(plan, ordered, manifest, allow_unchanged)  # before validation: nothing published if refused
     verified = {plan.output.relative(r.file_name): r.verified() for r in ordered}
     if adapter is not None:
         verified[f"{ADAPTER_DIR}/{adapter.shard.file_name}"] = adapter.shard.verified()
+    progress.begin(VALIDATING)
     report = validate_staged_task(light(plan), light(manifest), light(verified))
+    progress.begin(PUBLISHING)
     result = publish(light(plan), light(report))
     return result, manifest
 
@@ -124,11 +143,17 @@ def run_export(plan: MergePlan) -> tuple[dict[str, str], JsonObject]:
 @flow(name="mergeflow-merge", flow_run_name=merge_run_name, persist_result=True, validate_parameters=True)
 def merge_flow(config: ModelMergerConfig) -> JsonObject:
     """Export an FSDP checkpoint as a verified, atomically published artifact."""
+    started = time.monotonic()
+    logger = get_run_logger()
+    # One line an operator reads first: what is merged onto what, and where it goes.
+    logger.info("Merging %s onto base %s -> %s (format %s, dtype %s)", config.local_dir, config.base_model,
+                config.target_dir, config.output_format, config.dtype)
     try:
+        merge_progress().begin(INSPECTING)
         plan = inspect_inputs(config)
         lock = TargetLock(Path(plan.output.lock)).acquire()
         try:
-            result, manifest = run_export(plan)
+            result, manifest = run_export(plan, config.allow_unchanged)
         except (MergeflowError, OSError) as exc:
             typed = typed_os_error(exc) if isinstance(exc, OSError) else exc  # disk full, permissions, ...: one line
             if typed is None:
@@ -145,8 +170,12 @@ def merge_flow(config: ModelMergerConfig) -> JsonObject:
         actor_dir = Path(config.local_dir or "").expanduser().resolve()
         RankStates.forget(actor_dir)
         DigestPrefetch.forget(actor_dir)
-    publish_manifest_artifacts(plan, manifest, result["output_dir"])
+    label = export_label(plan.output.target, plan.checkpoint.actor_dir)  # the progress artifact's key too
+    total = publish_manifest_artifacts(plan, manifest, result["output_dir"], label)
+    logger.info("Published %s: %d files, %d bytes in %.1f s", result["output_dir"], len(manifest["files"]) + 1, total,
+                time.monotonic() - started)
     if config.hf_upload_path:
+        merge_progress().begin(UPLOADING)
         result["upload"] = upload_published(result["output_dir"], config.hf_upload_path, config.private)
     return result
 

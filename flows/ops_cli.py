@@ -33,7 +33,8 @@ def add_task_runner_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_ops_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Register serve, watch and staging on the main parser's subcommands."""
-    serve = sub.add_parser("serve", help="serve the merge (event-triggered) and validate deployments")
+    serve = sub.add_parser("serve", help="serve the merge (event-triggered) and validate deployments; "
+                                    "prints one line per run started and finished")
     serve.add_argument("--base_model", "--base-model", dest="base_model", required=True, help="local base model directory")
     serve.add_argument("--target-root", "--target_root", dest="target_root", required=True,
                        help="exports go to TARGET_ROOT/<run_name>/global_step_<step>; an event's target_dir must lie below it")

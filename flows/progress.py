@@ -1,57 +1,368 @@
-"""What the command line shows on stderr while flows run: each flow run's UI link, a progress line."""
+"""Progress of a merge, for people: the flow's side (phases, bytes, the UI's progress artifact) and stderr.
+
+- The merge flow feeds `merge_progress()`, the `RunProgress` of its flow run: phase changes, the
+  ranks loaded, the shards written. The bytes inside a shard come from the shard writers'
+  `WRITE_PROGRESS` reports, routed to the run whose task wrote them (several merges may run in one
+  process). The run's Prefect progress artifact follows the bytes written of the output's total.
+- The command line shows it with `stderr_progress()`: a rich progress bar on a terminal, one plain
+  line per phase otherwise (a pipe, a CI log), every line starting with `mergeflow: `.
+- `flow_run_links()` prints each flow run's UI link as the run starts: the first line a user sees.
+"""
 
 from __future__ import annotations
 
 import logging
+import queue
 import sys
 import threading
 import time
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import IO, Any
+from uuid import UUID
 
-from mergeflow.export.progress import WRITE_PROGRESS
+from rich.console import Console
+from rich.progress import BarColumn, Progress, ProgressColumn, Task, TaskID, TextColumn
+from rich.text import Text
+
+from mergeflow.export.progress import (
+    HASHING,
+    INSPECTING,
+    LOADING,
+    MERGE_PROGRESS,
+    PUBLISHING,
+    UPLOADING,
+    VALIDATING,
+    WRITE_PROGRESS,
+    WRITING,
+    MergeProgress,
+    Snapshot,
+    human_bytes,
+    human_duration,
+    human_rate,
+)
+from mergeflow.records import OutputPlan, ShardRecord
+
+# --- the flow's side -----------------------------------------------------------------------------
+
+ARTIFACT_EVERY_S = 2.0  # the UI's progress artifact is updated at most this often while bytes move (and per shard)
+
+_RUNS: weakref.WeakValueDictionary[UUID, RunProgress] = weakref.WeakValueDictionary()
+_CURRENT: ContextVar[RunProgress | None] = ContextVar("mergeflow_run_progress", default=None)
+
+
+class RunProgress:
+    """The progress of one merge flow run (see `merge_progress`)."""
+
+    def __init__(self, run_id: UUID | None, tracker: MergeProgress) -> None:
+        self.run_id = run_id
+        self.tracker = tracker
+
+    def begin(self, phase: str, total: int | None = None) -> None:
+        self.tracker.begin(phase, total)
+
+    def counting(self, phase: str, futures: Sequence[Any]) -> None:
+        """Begin `phase`, one step per future as it completes (loading ranks 3/8); never waits."""
+        self.tracker.begin(phase, total=len(futures))
+        for future in futures:
+            future.add_done_callback(lambda _future: self.tracker.step(phase=phase))
+
+    def begin_writing(self, output: OutputPlan) -> None:
+        """The writing phase: the packed output's bytes, shard by shard (call before submitting the writers)."""
+        self.tracker.begin_writing([s.nbytes for s in output.shards], output.tensor_count)
+
+    def written_shards(self, futures: Sequence[Any], artifact: UUID | None) -> Iterator[ShardRecord]:
+        """Each shard's record as its write completes (any order; `futures` in shard order).
+
+        The progress artifact `artifact` follows the bytes written: at every shard and every
+        ARTIFACT_EVERY_S while bytes move, and, when a write fails or the run is stopped, it ends
+        at the bytes written so far instead of where the last finished shard left it.
+        """
+        from mergeflow.flows.artifacts import report_progress
+
+        finished: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        for future in futures:
+            future.add_done_callback(finished.put)
+        shard_of = {id(f): i for i, f in enumerate(futures)}
+        total = self.tracker.bytes_total
+        reported = -1
+        pending = len(futures)
+        try:
+            while pending:
+                try:
+                    future = finished.get(timeout=ARTIFACT_EVERY_S)
+                except queue.Empty:
+                    future = None
+                if future is not None:
+                    pending -= 1
+                    record = future.result()
+                    self.tracker.shard_done(shard_of[id(future)], resumed=_resumed(future))
+                done = self.tracker.bytes_done
+                if done != reported:
+                    report_progress(artifact, done, total)
+                    reported = done
+                if future is not None:
+                    yield record
+        except BaseException:
+            try:
+                report_progress(artifact, self.tracker.bytes_done, total, stopped=True)
+            except Exception:  # the write's own error is the one to report
+                logging.getLogger(__name__).debug("could not update the progress artifact", exc_info=True)
+            raise
+
+    def wrote(self, shard: int, nbytes: int, attempt: int) -> None:
+        self.tracker.wrote(shard, nbytes, attempt)
+
+
+def merge_progress() -> RunProgress:
+    """The progress of the merge flow run this is called in; created (and shown) at the run's first call."""
+    from prefect.context import FlowRunContext
+
+    context = FlowRunContext.get()
+    run_id = context.flow_run.id if context is not None and context.flow_run is not None else None
+    current = _CURRENT.get()
+    if current is not None and run_id is not None and current.run_id == run_id:
+        return current
+    current = RunProgress(run_id, MERGE_PROGRESS.start())
+    _CURRENT.set(current)
+    if run_id is not None:
+        _RUNS[run_id] = current
+    return current
+
+
+def _route_write(nbytes: int, ntensors: int) -> None:
+    """A shard writer's report, to the run whose write-shard task made it (called in the writer's thread)."""
+    from prefect.context import TaskRunContext
+
+    context = TaskRunContext.get()
+    if context is None:
+        return
+    run = _RUNS.get(context.task_run.flow_run_id) if context.task_run.flow_run_id is not None else None
+    shard = getattr(context.parameters.get("shard"), "index", None)
+    if run is not None and isinstance(shard, int):
+        run.wrote(shard, nbytes, context.task_run.run_count)
+
+
+# For the process's lifetime, ahead of any listener added later (outside a write-shard task it costs one lookup).
+WRITE_PROGRESS.add(_route_write)
+
+
+def _resumed(future: Any) -> bool:
+    """A shard whose task found an earlier run's write intact (Prefect's Cached state)."""
+    try:
+        return future.state.name == "Cached"
+    except Exception:  # noqa: BLE001 - only a finer rate hangs on it
+        return False
+
+
+# --- stderr --------------------------------------------------------------------------------------
+
+PREFIX = "mergeflow: "
+_PAST = {INSPECTING: "inspected the checkpoint", LOADING: "loaded", HASHING: "hashed", VALIDATING: "validated",
+         PUBLISHING: "published", UPLOADING: "uploaded"}
+_BAR_LABEL = {INSPECTING: "inspecting", LOADING: "loading ranks", WRITING: "writing", HASHING: "hashing rank files",
+              VALIDATING: "validating", PUBLISHING: "publishing", UPLOADING: "uploading"}
+
+
+def _count(n: int, thing: str) -> str:
+    return f"{n} {thing}" if n == 1 else f"{n} {thing}s"
+
+
+def phase_line(snap: Snapshot) -> str:
+    """The line a phase begins with."""
+    if snap.phase == INSPECTING:
+        return f"{PREFIX}inspecting the checkpoint"
+    if snap.phase == LOADING and snap.total is not None:
+        return f"{PREFIX}loading {_count(snap.total, 'rank file')}"
+    if snap.phase == WRITING and snap.total is not None:
+        return f"{PREFIX}writing {human_bytes(snap.total)} in {_count(snap.shards, 'shard')} ({_count(snap.tensors, 'tensor')})"
+    if snap.phase == HASHING and snap.total is not None:
+        return f"{PREFIX}hashing {_count(snap.total, 'rank file')}"
+    return f"{PREFIX}{snap.phase}"
+
+
+def wrote_line(snap: Snapshot) -> str:
+    """The writing phase at its end: bytes, time and the average rate of what this run wrote itself."""
+    streamed = max(snap.done - snap.resumed, 0)
+    line = f"{PREFIX}wrote {human_bytes(streamed)} in {human_duration(snap.elapsed)} ({human_rate(snap.average_rate)})"
+    if snap.resumed:
+        line += f", resumed {human_bytes(snap.resumed)} an earlier run had written"
+    return line
+
+
+def ended_line(snap: Snapshot) -> str:
+    """A finished phase, as a terminal keeps it above the bar."""
+    if snap.phase == WRITING:
+        return wrote_line(snap)
+    what = _PAST.get(snap.phase or "", snap.phase or "")
+    if snap.phase in (LOADING, HASHING) and snap.total is not None:
+        what += f" {_count(snap.total, 'rank file')}"
+    return f"{PREFIX}{what} in {human_duration(snap.elapsed)}"
+
+
+def stopped_line(snap: Snapshot) -> str | None:
+    """What a failed or interrupted merge had got to, where bytes tell it (the error line follows)."""
+    if snap.phase != WRITING or snap.total is None:
+        return None
+    percent = 100.0 * (snap.fraction or 0.0)
+    return f"{PREFIX}stopped while writing: {human_bytes(snap.done)} of {human_bytes(snap.total)} written ({percent:.0f}%)"
+
+
+def figures(snap: Snapshot) -> str:
+    """The bar's numbers: bytes done of total, percent, recent rate, ETA; k/N; or the time in the phase."""
+    if snap.phase == WRITING and snap.total is not None:
+        percent = 100.0 * (snap.fraction or 0.0)
+        return (f"{human_bytes(snap.done)} of {human_bytes(snap.total)}  {percent:3.0f}%  "
+                f"{human_rate(snap.rate)}  ETA {human_duration(snap.eta)}")
+    if snap.total is not None:
+        return f"{snap.done}/{snap.total}"
+    return human_duration(snap.elapsed)
+
+
+class _Figures(ProgressColumn):
+    """Read again at every redraw, so the rate falls and the ETA grows while a write stalls."""
+
+    def __init__(self, display: StderrProgress) -> None:
+        super().__init__()
+        self.display = display
+
+    def render(self, task: Task) -> Text:
+        snap = self.display.latest()
+        return Text(figures(snap) if snap is not None else "")
 
 
 class StderrProgress:
-    """Counts what the shard writers report and redraws one line at most every 0.2 s."""
+    """A merge's progress on `stream`: a rich progress bar on a terminal, else one plain line per phase.
 
-    def __init__(self, stream=sys.stderr) -> None:  # type: ignore[no-untyped-def]
-        self.stream = stream
-        self.bytes = 0
-        self.tensors = 0
-        self._lock = threading.Lock()
-        self._last = 0.0
-        self._start = time.monotonic()
+    An observer of MERGE_PROGRESS (see `stderr_progress`). On a terminal, each finished phase
+    stays as one line above the bar; in a pipe nothing is ever redrawn. `close` ends the display
+    with the time the merge took, or, after a failure, the bytes it got to.
+    """
 
-    def __call__(self, nbytes: int, ntensors: int) -> None:
+    def __init__(self, stream: IO[str] | None = None, console: Console | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.console = console if console is not None else Console(file=self.stream, highlight=False)
+        self.live = self.console.is_terminal and not self.console.is_dumb_terminal
+        self.clock = clock
+        self._lock = threading.RLock()
+        self._source: MergeProgress | None = None
+        self._current: Snapshot | None = None
+        self._started: float | None = None
+        self._bar: Progress | None = None
+        self._task: TaskID | None = None
+        self._closed = False
+
+    # --- Observer --------------------------------------------------------------------------------
+
+    def phase_began(self, progress: MergeProgress, now: Snapshot, previous: Snapshot | None) -> None:
         with self._lock:
-            self.bytes += nbytes
-            self.tensors += ntensors
-            now = time.monotonic()
-            if now - self._last >= 0.2:
-                self._last = now
-                self._draw(now)
+            if self._closed:
+                return
+            if self._started is None:
+                self._started = self.clock()
+            if self._source is not progress:  # a merge of its own (one per command): earlier phases are not its
+                self._source, previous = progress, None
+            self._current = now
+            if self.live:
+                if previous is not None:
+                    self._print(ended_line(previous))
+                self._show(now)
+            else:
+                if previous is not None and previous.phase == WRITING:
+                    self._write(wrote_line(previous))
+                self._write(phase_line(now))
 
-    def _draw(self, now: float) -> None:
-        rate = self.bytes / max(now - self._start, 1e-6) / 1e6
-        self.stream.write(f"\rmergeflow: {self.tensors} tensors, {self.bytes / 1e6:.1f} MB written ({rate:.0f} MB/s)")
+    def advanced(self, progress: MergeProgress, now: Snapshot) -> None:
+        with self._lock:
+            if self._closed or progress is not self._source or self._current is None:
+                return
+            if now.phase != self._current.phase or now.done < self._current.done:
+                return  # an older report, from a thread that was late to tell
+            self._current = now
+            if self._bar is not None and self._task is not None:
+                self._bar.update(self._task, completed=now.done)
+
+    # --- the command's side ----------------------------------------------------------------------
+
+    def latest(self) -> Snapshot | None:
+        """The current phase as it stands now (its rate and ETA computed at this moment)."""
+        source = self._source
+        return source.snapshot() if source is not None else self._current
+
+    def refresh(self) -> None:
+        """Redraw the bar now (it redraws itself 5 times a second and at every phase)."""
+        with self._lock:
+            if self._bar is not None:
+                self._bar.refresh()
+
+    def close(self, failed: bool = False) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            last = self.latest()
+            lines: list[str] = []
+            if last is not None and last.phase is not None:
+                if failed:
+                    stopped = stopped_line(last)
+                    lines += [stopped] if stopped else []
+                else:
+                    if self.live:
+                        lines.append(ended_line(last))
+                    if last.phase == WRITING and not self.live:
+                        lines.append(wrote_line(last))
+                    started = self._started if self._started is not None else self.clock()
+                    lines.append(f"{PREFIX}done in {human_duration(self.clock() - started)}")
+            if self._bar is not None:
+                for line in lines:
+                    self._print(line)
+                self._bar.stop()
+                self._bar = None
+            else:
+                for line in lines:
+                    self._write(line)
+
+    # --- drawing ---------------------------------------------------------------------------------
+
+    def _write(self, line: str) -> None:
+        self.stream.write(line + "\n")
         self.stream.flush()
 
-    def finish(self) -> None:
-        if self.tensors:
-            self._draw(time.monotonic())
-            self.stream.write("\n")
-            self.stream.flush()
+    def _print(self, line: str) -> None:
+        self.console.print(Text(line), soft_wrap=True)
+
+    def _show(self, snap: Snapshot) -> None:
+        label = _BAR_LABEL.get(snap.phase or "", snap.phase or "")
+        if self._bar is None:
+            self._bar = Progress(
+                TextColumn(PREFIX + "{task.description}"), BarColumn(bar_width=32), _Figures(self),
+                console=self.console, transient=True, refresh_per_second=5, redirect_stdout=False,
+                # Lines others print to stderr meanwhile (another run's UI link) go above the bar.
+                redirect_stderr=self.console.file is sys.stderr,
+            )
+            self._bar.start()
+        if self._task is not None:  # one task per phase: a phase without a measure pulses (total None)
+            self._bar.remove_task(self._task)
+        self._task = self._bar.add_task(label, total=snap.total, completed=snap.done)
 
 
 @contextmanager
-def stderr_progress() -> Iterator[StderrProgress]:
-    bar = StderrProgress()
+def stderr_progress(stream: IO[str] | None = None, console: Console | None = None) -> Iterator[StderrProgress]:
+    """Show the progress of the merges run in this process while the block runs."""
+    display = StderrProgress(stream, console)
+    failed = True
     try:
-        with WRITE_PROGRESS.listening(bar):
-            yield bar
+        with MERGE_PROGRESS.listening(display):
+            yield display
+        failed = False
     finally:
-        bar.finish()
+        display.close(failed=failed)
+
+
+# --- UI links ------------------------------------------------------------------------------------
 
 
 class FlowRunLinks(logging.Handler):
@@ -62,9 +373,9 @@ class FlowRunLinks(logging.Handler):
     here instead. Nothing is printed when the API has no UI (Prefect's temporary server).
     """
 
-    def __init__(self, stream=sys.stderr) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, stream: IO[str] | None = None) -> None:
         super().__init__(level=logging.DEBUG)
-        self.stream = stream
+        self.stream = stream  # None: sys.stderr as it is at that moment (above a progress bar while one is shown)
         self.seen: set[str] = set()
         self._lock = threading.Lock()
 
@@ -81,8 +392,9 @@ class FlowRunLinks(logging.Handler):
         url = url_for("flow-run", obj_id=str(run_id))
         if url:
             name = getattr(record, "flow_run_name", None) or run_id
-            self.stream.write(f"mergeflow: flow run {name}: {url}\n")
-            self.stream.flush()
+            stream = self.stream if self.stream is not None else sys.stderr
+            stream.write(f"mergeflow: flow run {name}: {url}\n")
+            stream.flush()
 
 
 @contextmanager

@@ -32,6 +32,7 @@ from mergeflow.errors import UsageError
 from mergeflow.events import EVENT_CHECKPOINT_SAVED, RESOURCE_PREFIX
 from mergeflow.flows.checkpoint import format_with_checkpoint, merge_checkpoint_flow
 from mergeflow.flows.events import reachable_api_url
+from mergeflow.flows.run_feed import RunFeed
 from mergeflow.flows.validate import validate_flow
 from mergeflow.io.jsonfiles import JsonObject
 
@@ -134,4 +135,9 @@ def serve_deployments(settings: ServeSettings, *, limit: int | None = 1) -> None
     settings = settings.checked()
     # Without an API URL, serve would start a private temporary server no training job can reach.
     reachable_api_url()
-    serve(*build_deployments(settings), limit=limit)
+    feed = RunFeed([merge_checkpoint_flow.name, validate_flow.name])  # one line per run started and finished
+    feed.start()
+    try:
+        serve(*build_deployments(settings), limit=limit)
+    finally:
+        feed.stop.set()

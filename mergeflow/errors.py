@@ -180,3 +180,9 @@ class UploadTransientError(UploadError):
 
 class UploadVerificationError(UploadError):
     """The files on the Hub differ from the artifact's manifest after an upload."""
+
+
+# -- the guard against a "merged" model that is its base -----------------------------------------
+
+class UnchangedWeightsError(MergeflowError):
+    """Every exported tensor equals the base's bit for bit; refused unless --allow-unchanged."""

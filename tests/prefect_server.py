@@ -13,19 +13,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from mergeflow.flows.local_server import healthy
+from mergeflow.flows.local_server import RECORDER_BATCHING, healthy
 
 _SERVER_SETTINGS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "PREFECT_SERVER_UI_ENABLED": "false",
     # Faster event persistence than the 5 s default, so tests that read events back wait less.
     "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_FLUSH_INTERVAL": "0.5",
-    # The task-run recorder writes one event per transaction by default; after a flow of a dozen
-    # tasks the next flow run's creation waits about 2 s behind that queue (measured: a tiny merge
-    # took 0.5 s or 2.4 s, alternately). Batches flushed every second: 0.5 s every time. (Prefect
-    # truncates the interval to whole seconds; 0.5 becomes a busy loop.)
-    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100",
-    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",
+    # The batching mergeflow's own background server uses (flows/local_server.py says why).
+    **RECORDER_BATCHING,
     "PREFECT_LOGGING_LEVEL": "WARNING",
 }
 

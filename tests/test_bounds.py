@@ -252,8 +252,9 @@ def test_the_cli_refuses_a_huge_layer_count_in_one_line(ex: Export, env: dict[st
     elapsed = time.monotonic() - start
     assert proc.returncode == 2, proc.stderr
     assert elapsed < 60, f"took {elapsed:.0f} s"
-    # Besides the error, only the UI link of the flow run (printed as the run starts).
-    lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("mergeflow: flow run ")]
+    # Besides the error, only the UI link of the flow run (printed as the run starts) and the phase line it failed in.
+    lines = [line for line in proc.stderr.splitlines()
+             if line.strip() and not line.startswith(("mergeflow: flow run ", "mergeflow: inspecting"))]
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("mergeflow: error: huggingface/config.json of the checkpoint describes"), lines[0]
     assert f"num_layers={HUGE_LAYERS}" in lines[0] and "Traceback" not in proc.stderr

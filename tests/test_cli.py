@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 import threading
@@ -40,7 +41,7 @@ def test_merge_then_test_print_one_json_line(tmp_path: Path, env: dict[str, str]
     assert proc.returncode == 0, proc.stderr
     last = proc.stdout.strip().splitlines()[-1]
     assert json.loads(last) == {"output_dir": str(target), "manifest_path": str(target / "merge_manifest.json")}
-    assert "tensors" in proc.stderr and "MB written" in proc.stderr  # the progress line
+    assert "tensors)" in proc.stderr and "mergeflow: wrote " in proc.stderr  # the progress lines (tests/test_progress.py)
     assert "Traceback" not in proc.stderr
     proc = run_cli(["test", "--backend", "fsdp", "--test_hf_dir", str(target)], env)
     assert proc.returncode == 0, proc.stderr
@@ -108,7 +109,28 @@ def test_demo_runs_end_to_end(tmp_path: Path, env: dict[str, str]) -> None:
     proc = run_cli(["demo", "--workdir", str(tmp_path / "demo")], env)
     assert proc.returncode == 0, proc.stderr
     info = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert info["integrity"] == "passed" and Path(info["output_dir"]).is_dir()
+    assert info["integrity"] == "passed" and Path(info["output_dir"]).is_dir() and info["kept"] is True
+    # It says what it built and the command that does the same, which works as printed.
+    command = next(line for line in proc.stderr.splitlines() if "the same export from the command line: " in line)
+    argv = shlex.split(command.split("the same export from the command line: ", 1)[1])
+    assert argv[:2] == ["mergeflow", "merge"] and argv[argv.index("--target_dir") + 1] == info["output_dir"]
+    again = str(tmp_path / "again")
+    argv[argv.index("--target_dir") + 1] = again
+    proc = run_cli(argv[1:], env)
+    assert proc.returncode == 0, proc.stderr
+    assert tree_digest(Path(again)) == tree_digest(Path(info["output_dir"]))
+
+
+def test_demo_without_a_workdir_leaves_nothing_behind(prefect_api: object, capsys: pytest.CaptureFixture[str]) -> None:
+    import tempfile
+
+    from mergeflow.flows.demo import run_demo
+
+    before = set(Path(tempfile.gettempdir()).glob("mergeflow-demo-*"))
+    info = run_demo(None, world_size=2)
+    assert info["integrity"] == "passed" and info["kept"] is False
+    assert not Path(str(info["demo_dir"])).exists() and set(Path(tempfile.gettempdir()).glob("mergeflow-demo-*")) == before
+    assert "pass --workdir DIR to keep" in capsys.readouterr().err
 
 
 def test_every_reference_flag_is_accepted() -> None:

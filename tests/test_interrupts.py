@@ -89,3 +89,59 @@ def test_an_interrupted_export_ends_with_one_line_and_resumes(tmp_path: Path, pr
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert check_artifact(str(target))["integrity"] == "passed"
     assert not kept.exists()
+
+
+def test_ctrl_c_without_a_server_is_one_line_too(tmp_path: Path) -> None:
+    """No PREFECT_API_URL and no background server: Prefect's temporary per-command server dies with
+    the Ctrl-C (it is in the command's process group); the export still ends with one line and 130."""
+    ex = make_export(tmp_path, "FluxTransformer2DModel", 2)
+    target = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false", MERGEFLOW_LOCAL_SERVER="0")
+    proc = forked_cli.popen([str(TESTS / "slow_cli.py"), "0.15", *merge_args(ex, target)], env)  # cold: no API to fork for
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None and not list(tmp_path.glob(".out.mergeflow-staging-*/work/shard-*.json")):
+            time.sleep(0.05)
+        assert proc.poll() is None, f"finished before the signal: {proc.communicate()[1][-2000:]!r}"
+        servers = _command_servers_of(proc.pid)
+        assert len(servers) == 1, servers  # mergeflow's own temporary server, in a session of its own
+        sent = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C does: the whole foreground group
+        _, text = proc.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert proc.returncode == 130, text[-3000:]
+    assert took < 15, f"took {took:.1f} s to stop"
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert all(line.startswith("mergeflow: ") for line in lines), text[-3000:]  # no EventsWorker or ConnectError traceback
+    assert lines[-1].startswith("mergeflow: interrupted (SIGINT); nothing was published; work kept for resume in "), lines[-1]
+    assert not target.exists() and len(list(tmp_path.glob(".out.mergeflow-staging-*"))) == 1
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in servers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in servers), "the command's temporary Prefect server outlived it"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
+def _command_servers_of(pid: int) -> list[int]:
+    """Live `prefect server start` processes that mergeflow started for command `pid` (their parent)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and b"mergeflow-command-server-" in (entry / "environ").read_bytes():
+                status = (entry / "status").read_text()
+                if f"PPid:\t{pid}\n" in status and "State:\tZ" not in status:
+                    found.append(int(entry.name))
+        except OSError:
+            continue
+    return found

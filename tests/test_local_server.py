@@ -50,6 +50,8 @@ def test_second_merge_reuses_the_background_server(tmp_path: Path) -> None:
         assert first.returncode == 0, first.stderr
         assert first.stderr.count(STARTED) == 1, first.stderr
         state = json.loads((home / local_server.STATE_FILE).read_text())
+        server_env = Path(f"/proc/{state['pid']}/environ").read_bytes().split(b"\0")
+        assert all(f"{k}={v}".encode() in server_env for k, v in local_server.RECORDER_BATCHING.items())
         second = mergeflow([*merge, str(tmp_path / "out2")], env)
         assert second.returncode == 0, second.stderr
         assert STARTED not in second.stderr, "the second command started another server"
@@ -57,7 +59,7 @@ def test_second_merge_reuses_the_background_server(tmp_path: Path) -> None:
 
         links = [LINK.search(proc.stderr) for proc in (first, second)]
         assert all(links), first.stderr + second.stderr
-        assert [m.group(1) for m in links if m] == ["merge-out1", "merge-out2"]
+        assert [m.group(1) for m in links if m] == ["merge-ckpt-step1", "merge-ckpt-step1"]  # <run>-step<N> of the source
         assert {int(m.group(3)) for m in links if m} == {state["port"]}
         for match in links:
             assert match is not None

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from builders import assert_bit_exact, leftovers, make_export, output_state, tree_digest
+from prefect_runs import latest_flow_run
 
 from mergeflow import merge_model, validate_artifact
 from mergeflow.demo.checkpoints import run_tiny_forward
@@ -152,25 +153,33 @@ def test_test_command_catches_a_flipped_byte_in_every_file(tmp_path: Path, prefe
 
 def test_flow_artifacts_are_readable_through_the_client(tmp_path: Path, prefect_api: object) -> None:
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        ArtifactFilterKey,
+    )
 
-    ex = make_export(tmp_path, "FluxTransformer2DModel", 2)
+    ex = make_export(tmp_path, "FluxTransformer2DModel", 2)  # <tmp>/ckpt/global_step_1/actor: run "ckpt", step 1
     target = tmp_path / "artifact-check"
     merge_model(ex.config(target))
+    run = latest_flow_run("merge-ckpt-step1")
+    keys = ("merge-manifest-ckpt-step1", "merge-summary-ckpt-step1", "merge-progress-ckpt-step1")
 
     async def read() -> dict[str, object]:
         async with get_client() as client:
             found = {}
-            for key in ("merge-manifest-artifact-check", "merge-summary-artifact-check", "merge-progress-artifact-check"):
-                arts = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+            for key in keys:  # the keys name the training run and step; this run's versions only
+                arts = await client.read_artifacts(artifact_filter=ArtifactFilter(
+                    key=ArtifactFilterKey(any_=[key]), flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])))
                 found[key] = arts
             return found
 
     found = asyncio.run(read())
-    table = found["merge-manifest-artifact-check"][0]
+    table = found["merge-manifest-ckpt-step1"][0]
     assert table.type == "table"
     rows = json.loads(table.data) if isinstance(table.data, str) else table.data
     assert {r["file"] for r in rows} == {"config.json", "diffusion_pytorch_model.safetensors"}
-    assert found["merge-summary-artifact-check"][0].type == "markdown"
-    progress = found["merge-progress-artifact-check"][0]
+    assert {r["file"]: r["bytes"] for r in rows} == {r["file"]: (target / r["file"]).stat().st_size for r in rows}
+    assert found["merge-summary-ckpt-step1"][0].type == "markdown"
+    progress = found["merge-progress-ckpt-step1"][0]
     assert progress.type == "progress" and float(progress.data) == 100.0

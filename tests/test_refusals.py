@@ -192,6 +192,7 @@ def test_non_finite_weight(ex: Export) -> None:
 
     rewrite_rank(rank_path(ex, 0), poison)
     err = expect_refusal(ex, E.CheckpointError, "inf or nan", stage="write")
+    assert "(rank 0)" in str(err), str(err)  # the rank whose file holds it, not a position among shards
     # A rerun cannot succeed on this input: the shards written so far are removed, not kept for a resume.
     assert err.staging_dir is None and leftovers(ex.root, ".out.") == []  # type: ignore[attr-defined]
 

@@ -85,7 +85,7 @@ def test_failed_validation_keeps_staging_and_a_fresh_run_reuses_shards(tmp_path:
 
     monkeypatch.undo()  # the cause is gone
     fresh = merge_model(config)
-    second_id = latest_flow_run("merge-step1").id
+    second_id = latest_flow_run("merge-ckpt-step1").id
     assert second_id != first_id
     runs = task_runs(second_id, lambda r: len(shard_states(r)) == len(names))
     states = shard_states(runs)
@@ -166,7 +166,7 @@ def test_merge_killed_mid_write_resumes_byte_identical(tmp_path: Path, prefect_s
     assert json.loads(rerun.stdout.strip().splitlines()[-1])["output_dir"] == str(target)
     assert tree_digest(target) == tree_digest(reference)  # staging and target names differ, bytes do not
     assert list_staging(tmp_path) == [] and not (tmp_path / ".killed.mergeflow.lock").exists()
-    resumed = latest_flow_run("merge-killed")
+    resumed = latest_flow_run("merge-ckpt-step1")
     states = shard_states(task_runs(resumed.id, lambda r: len(shard_states(r)) == len(shard_names(reference))))
     assert list(states.values()).count("Cached") >= finished, states
 
@@ -186,6 +186,6 @@ def test_dask_local_cluster_gives_a_byte_identical_artifact(tmp_path: Path, pref
     out = Path(result.output_dir)
     assert tree_digest(out) == tree_digest(threaded)
     assert validate_artifact(out)["integrity"] == "passed"
-    run = latest_flow_run("merge-dask")
+    run = latest_flow_run("merge-ckpt-step1")
     states = shard_states(task_runs(run.id, lambda r: len(shard_states(r)) == len(shard_names(out))))
     assert len(states) == len(shard_names(out)) and set(states.values()) == {"Completed"}

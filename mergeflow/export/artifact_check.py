@@ -31,7 +31,7 @@ from mergeflow.io.jsonfiles import (
     parse_json_strict,
     read_json_strict,
 )
-from mergeflow.io.staging import artifact_root
+from mergeflow.io.staging import artifact_root, is_staging_dir
 from mergeflow.lora.artifact import (
     ADAPTER_DIR,
     ADAPTER_MANIFEST,
@@ -240,8 +240,17 @@ def _below(verified: Mapping[str, VerifiedFile] | None, prefix: str) -> dict[str
 
 
 def artifact_to_check(test_hf_dir: str | Path) -> Path:
-    """The directory `test` validates: the artifact itself, or the one staged in a failed merge's kept staging dir."""
-    return artifact_root(Path(test_hf_dir).expanduser().resolve())
+    """The directory `test` validates: the artifact itself, or the one staged in a failed merge's kept staging dir.
+
+    A merge that failed before its metadata step staged shards but no manifest: there is no
+    artifact to validate yet, and the refusal says so instead of "artifact has no manifest".
+    """
+    path = Path(test_hf_dir).expanduser().resolve()
+    root = artifact_root(path)
+    if is_staging_dir(path) and not (root / MANIFEST_NAME).is_file() and adapter_only_root(root) is None:
+        raise ArtifactInvalidError(f"{path.name} is the staging dir of a merge that failed before writing its manifest: "
+                                   "nothing to validate yet; rerun the same merge to resume it")
+    return root
 
 
 def check_artifact(test_hf_dir: str | Path) -> dict[str, str]:

@@ -7,6 +7,7 @@ from pathlib import Path
 from mergeflow.architectures.schema import read_model_config
 from mergeflow.errors import CheckpointError
 from mergeflow.export.layout import plan_layouts
+from mergeflow.formats import dcp
 from mergeflow.formats.rank_files import describe_state, load_rank_state
 from mergeflow.formats.safetensors_format import nbytes
 from mergeflow.formats.verl_checkpoint import (
@@ -20,6 +21,8 @@ from mergeflow.io.jsonfiles import JsonObject
 def describe_checkpoint(actor_dir: Path, *, trust_checkpoint: bool = False) -> JsonObject:
     """What is this checkpoint? World size, layout, tensors, dtypes, LoRA adapters, class."""
     actor_dir = actor_dir.expanduser().resolve()
+    if dcp.is_dcp_dir(actor_dir):
+        return _describe_dcp(actor_dir, trust_checkpoint)
     fsdp = read_fsdp_config(actor_dir)
     names = rank_file_names(actor_dir, fsdp.world_size)
     entries = [describe_state(load_rank_state(actor_dir / n, trust_checkpoint=trust_checkpoint), n) for n in names]
@@ -49,6 +52,26 @@ def describe_checkpoint(actor_dir: Path, *, trust_checkpoint: bool = False) -> J
         "lora_adapters": adapters,
         "lora_meta": (actor_dir / LORA_META).is_file(),
         "class_name": class_name,
+    }
+
+
+def _describe_dcp(directory: Path, trust_checkpoint: bool) -> JsonObject:
+    """The same summary for a torch Distributed Checkpoint, from its `.metadata` alone (safe unpickler)."""
+    checkpoint = dcp.open_dcp(directory, trust_checkpoint=trust_checkpoint)
+    layouts = [t.layout for t in checkpoint.tensors.values()]
+    dtypes: dict[str, int] = {}
+    for layout in layouts:
+        dtypes[layout.dtype] = dtypes.get(layout.dtype, 0) + 1
+    return {
+        "world_size": len(checkpoint.files) - 1,  # one .distcp per writing rank
+        "fsdp_version": None,  # DCP does not record it
+        "layout": "DCP",
+        "tensors": len(layouts),
+        "bytes": sum(nbytes(l.dtype, l.shape) for l in layouts),
+        "dtypes": dtypes,
+        "lora_adapters": sorted({part for name in checkpoint.tensors for part in _adapter_names(name)}),
+        "lora_meta": (directory / LORA_META).is_file(),
+        "class_name": None,  # a DCP carries no model config: it comes from the base or --hf_model_config_path
     }
 
 

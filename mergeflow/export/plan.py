@@ -51,7 +51,7 @@ from mergeflow.records import (
 
 # Options that do not change a byte of the artifact stay out of the fingerprint, so changing
 # them keeps a half-done export resumable.
-_NOT_FINGERPRINTED = ("workers", "hf_upload_path", "private")
+_NOT_FINGERPRINTED = ("workers", "hf_upload_path", "private", "allow_unchanged")
 
 
 @dataclass(frozen=True)

@@ -111,16 +111,18 @@ def compare_tensor(handle: Any, buffer: bytearray, offset: int, tw: TensorWrite,
     """Compare a streamed tensor's file region with its rank shards in order, and check them finite."""
     window = torch.frombuffer(buffer, dtype=torch.uint8)
     handle.seek(offset)
-    for index, local in enumerate(c for c in primary_chunks(tw.layout, states) if c.numel()):
+    # Each chunk is read from its first rank: messages name that rank (not a position among chunks).
+    ranks = [chunk_ranks[0] for chunk_ranks in tw.layout.chunk_ranks]
+    for rank, local in ((r, c) for r, c in zip(ranks, primary_chunks(tw.layout, states), strict=True) if c.numel()):
         flat = local.reshape(-1).view(torch.uint8)
         for start in range(0, flat.numel(), BLOCK):
             n = min(BLOCK, flat.numel() - start)
             read_exact(handle, memoryview(buffer)[:n], file_name)
             expected = flat[start : start + n]
             if not same_bytes(window[:n], expected):
-                raise CheckpointError(f"{tw.name}: round trip failed, shard {index} differs from the written bytes")
+                raise CheckpointError(f"{tw.name}: round trip failed, the piece from rank {rank} differs from the written bytes")
             if local.is_floating_point() and not all_finite(expected.view(local.dtype)):
-                raise CheckpointError(f"{tw.name} (shard {index}) holds inf or nan values; refusing to export a broken weight")
+                raise CheckpointError(f"{tw.name} (rank {rank}) holds inf or nan values; refusing to export a broken weight")
 
 
 def compare_pieces(handle: Any, buffer: bytearray, offset: int, tw: TensorWrite, pieces: list[torch.Tensor],

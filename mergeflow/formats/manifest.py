@@ -18,6 +18,9 @@ ArtifactType = Literal["diffusers_pipeline", "diffusers_transformer", "minimax_h
 ARTIFACT_TYPES: tuple[str, ...] = get_args(ArtifactType)
 # The artifact types that are a whole pipeline (model_index.json at the root).
 PIPELINE_ARTIFACT_TYPES = ("diffusers_pipeline", "minimax_h3_pipeline")
+# Optional: present only when the unchanged-weights guard compared every tensor with the base (the
+# sample matched), so an ordinary export's manifest is byte-identical to one written without the guard.
+UNCHANGED_CHECK = "unchanged_check"
 VERIFICATION_LAYERS = ("structure", "source_round_trip", "artifact_round_trip", "integrity")
 
 _REQUIRED: dict[str, type | tuple[type, ...]] = {
@@ -104,10 +107,21 @@ def check_manifest(data: Any) -> JsonObject:
     for layer in VERIFICATION_LAYERS:
         if verification.get(layer) != "passed":
             raise ArtifactInvalidError(f"manifest verification.{layer} is not 'passed'")
+    _check_unchanged_check(data.get(UNCHANGED_CHECK))
     if MANIFEST_NAME in data["files"]:
         raise ArtifactInvalidError("manifest files must not list the manifest itself")
     _reject_absolute_paths(data)
     return data
+
+
+def _check_unchanged_check(value: Any) -> None:
+    """The optional unchanged-weights measurement (mergeflow/export/unchanged.py), when present."""
+    if value is None:
+        return
+    counts = value if isinstance(value, dict) and set(value) == {"compared_tensors", "differing_tensors"} else None
+    if counts is None or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts.values()) \
+            or counts["differing_tensors"] > counts["compared_tensors"]:
+        raise ArtifactInvalidError(f"manifest {UNCHANGED_CHECK} must be {{compared_tensors: n, differing_tensors: m <= n}}")
 
 
 def _reject_absolute_paths(obj: Any, where: str = "manifest") -> None:

@@ -47,6 +47,12 @@ def _not_a_checkpoint_dir(actor_dir: Path) -> str | None:
     if steps:
         return (f"{actor_dir.name}/ is a training run's output ({len(steps)} checkpoint(s)), not one checkpoint: pass "
                 f"--local_dir {steps[-1] / 'actor'} (the latest), or watch/backfill the run")
+    # The DCP layout's own words for a half-written DCP (imported here: dcp imports nothing of this module).
+    from mergeflow.formats.dcp import not_a_dcp_dir
+
+    unfinished = not_a_dcp_dir(actor_dir)
+    if unfinished:
+        return unfinished
     if (actor_dir / ".metadata").exists() or any(actor_dir.glob("*.distcp")):
         return (f"{actor_dir.name}/ is a torch Distributed Checkpoint (.metadata + *.distcp, as accelerate writes), "
                 f"not verl's per-rank files ({FSDP_CONFIG} + model_world_size_W_rank_R.pt); mergeflow does not read DCP yet")

@@ -1,0 +1,96 @@
+"""The unchanged-weights guard: refuse an export whose tensors are the base's, bit for bit.
+
+A "merged" model byte-identical to its base is almost always a mistake (the wrong step
+directory, an untrained run, a `save_lora_only` checkpoint read as full weights), and
+publishing it hides the mistake. The rule: the export is unchanged when every exported tensor
+has a base tensor of the same name and shape whose stored bytes equal the exported tensor's
+bytes cast to the base's stored dtype (an fp32 checkpoint of an untrained bf16 base casts back
+exactly, so `--dtype`/`preserve` cannot hide it; a tensor the base lacks, or of another shape,
+differs).
+
+Cheap first: one tensor per written shard (its first in name order) is compared; only when
+every sampled tensor matches is the whole base read. A normal export therefore reads a few
+base tensors and its manifest is unchanged; the manifest gains `unchanged_check` only when
+every tensor was compared (so the count of differing tensors is a measurement, not a guess).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mergeflow.errors import BaseModelError, UnchangedWeightsError
+from mergeflow.formats.manifest import MANIFEST_NAME, UNCHANGED_CHECK
+from mergeflow.formats.weight_index import StoredWeights, has_weights, read_weights
+from mergeflow.io.jsonfiles import JsonObject, write_json_durable
+from mergeflow.records import MergePlan, ShardRecord
+
+MANIFEST_FIELD = UNCHANGED_CHECK
+
+
+@dataclass(frozen=True)
+class UnchangedCheck:
+    """What the guard compared: `differing` is None when only the sample was compared."""
+
+    sampled: int  # tensors compared in the cheap first pass
+    compared: int  # tensors compared in all (equals `sampled` when a sampled tensor differed)
+    differing: int | None
+
+    @property
+    def unchanged(self) -> bool:
+        return self.differing == 0
+
+
+def guard_unchanged(plan: MergePlan, shards: Sequence[ShardRecord], manifest: JsonObject,
+                    allow_unchanged: bool) -> JsonObject:
+    """Refuse (or, allowed, record) an export equal to its base; returns the manifest, rewritten when measured."""
+    base_dir = Path(plan.base.component_dir)
+    # No local base weights under the artifact's weights name (a Hub-named base; an architecture whose
+    # base is stored differently): nothing to compare with, so the export is as it was without the guard.
+    if plan.base.kind == "hub" or not plan.base.component_dir or not has_weights(base_dir, plan.output.weights_name):
+        return manifest
+    check = measure_unchanged(Path(plan.output.tensor_dir), [(s.file_name, sorted(s.tensors)) for s in shards],
+                              base_dir, plan.output.weights_name)
+    if check.differing is None:
+        return manifest  # a sampled tensor differs: the manifest stays byte-identical to an unguarded export
+    if check.unchanged and not allow_unchanged:
+        raise UnchangedWeightsError(
+            f"all {check.compared} exported tensors equal the base's bit for bit: likely the wrong global_step "
+            "directory, an untrained run, or a save_lora_only checkpoint read as full weights; "
+            "pass --allow-unchanged to publish it anyway")
+    measured: JsonObject = {**manifest, MANIFEST_FIELD: {"compared_tensors": check.compared,
+                                                         "differing_tensors": check.differing}}
+    write_json_durable(Path(plan.output.artifact_dir) / MANIFEST_NAME, measured, indent=2)
+    return measured
+
+
+def measure_unchanged(tensor_dir: Path, shards: Sequence[tuple[str, Sequence[str]]], base_dir: Path,
+                      weights_name: str) -> UnchangedCheck:
+    """Compare the written shards (file name, tensor names) with the base: the sample, then all if it matches."""
+    base = read_weights(base_dir, weights_name, BaseModelError, "the base")
+    sample = [(file_name, names[0]) for file_name, names in shards if names]
+    if not all(_same(tensor_dir / f, name, base_dir, base) for f, name in sample):
+        return UnchangedCheck(sampled=len(sample), compared=len(sample), differing=None)
+    everything = [(file_name, name) for file_name, names in shards for name in names]
+    differing = sum(not _same(tensor_dir / f, name, base_dir, base) for f, name in everything)
+    return UnchangedCheck(sampled=len(sample), compared=len(everything), differing=differing)
+
+
+def _same(shard: Path, name: str, base_dir: Path, base: StoredWeights) -> bool:
+    entry = base.entries.get(name)
+    if entry is None:
+        return False
+    from safetensors import safe_open
+
+    with safe_open(str(shard), framework="pt") as handle:
+        exported = handle.get_tensor(name)
+    if tuple(exported.shape) != tuple(entry.shape):
+        return False
+    with safe_open(str(base_dir / base.files[name]), framework="pt") as handle:
+        stored = handle.get_tensor(name)
+    if exported.dtype != stored.dtype:
+        exported = exported.to(stored.dtype)
+    return torch.equal(exported.reshape(-1).view(torch.uint8), stored.reshape(-1).view(torch.uint8))

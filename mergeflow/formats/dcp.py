@@ -1,0 +1,286 @@
+"""torch Distributed Checkpoint (DCP) input: `.metadata` + `__R_0.distcp`, as accelerate, VeOmni and torchtitan save.
+
+The layout is torch's (torch/distributed/checkpoint/filesystem.py, torch 2.13): `.metadata` pickles a
+`Metadata` whose `state_dict_metadata[key]` gives each tensor's global size, dtype and chunks
+(offsets, sizes), and whose `storage_data[MetadataIndex(key, chunk offsets)]` says where a chunk's
+bytes are: (relative file, byte offset, length). The default writer stores each chunk with
+`torch.save(chunk)` at that byte range, so a chunk is read with torch's safe loader
+(`weights_only=True`) on exactly that range, never by full unpickling.
+
+A DCP becomes a second source of rank pieces: every key gets a `TensorLayout` whose "ranks" are its
+chunks, and `DcpChunks.local(chunk, key)` plays the part of `RankStates.local(rank, key)`, so
+reconstruct's one path (verified_chunks -> global_pieces -> verify_round_trip) assembles both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mergeflow.errors import (
+    CheckpointError,
+    SchemaMismatchError,
+    ShardLayoutError,
+    UnsafeCheckpointError,
+)
+from mergeflow.formats import dcp_pickle
+from mergeflow.records import TensorLayout
+
+METADATA = ".metadata"
+SUFFIX = ".distcp"
+# Module names that wrappers put in front of the Diffusers model's own state-dict names:
+# accelerate saves {"model": state_dict} (DCP flattens it to "model."), PEFT adds "base_model.model.",
+# DDP "module.", FSDP1 "_fsdp_wrapped_module." anywhere, torch.compile "_orig_mod.".
+_LEADING = ("model.", "base_model.model.", "module.", "_orig_mod.")
+_ANYWHERE = ("_fsdp_wrapped_module.", "_orig_mod.")
+_HASH_BLOCK = 1 << 22
+
+
+def is_dcp_dir(path: Path) -> bool:
+    """A finished DCP: `.metadata` beside at least one `*.distcp`."""
+    return (path / METADATA).is_file() and any(path.glob(f"*{SUFFIX}"))
+
+
+def not_a_dcp_dir(path: Path) -> str | None:
+    """Why `path` is not a readable DCP directory, in words that say what each layout needs; None if it is one."""
+    has_metadata = (path / METADATA).exists()
+    has_chunks = any(path.glob(f"*{SUFFIX}"))
+    if has_metadata and has_chunks:
+        return None
+    if has_chunks:
+        return (f"{path.name}/ is a DCP checkpoint without {METADATA}: the save did not finish (torch writes "
+                f"{METADATA} last); wait for it or copy the checkpoint again")
+    if has_metadata:
+        return (f"{path.name}/ holds {METADATA} but no *{SUFFIX} file: a DCP checkpoint needs both; "
+                "copy the whole directory")
+    return None
+
+
+@dataclass(frozen=True)
+class ChunkSource:
+    """Where one chunk of one tensor lives: its place in the global tensor and its byte range."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class DcpTensor:
+    """One tensor of a DCP: its layout (chunks as ranks) and each chunk's byte range."""
+
+    name: str  # the Diffusers state-dict name (wrappers stripped)
+    layout: TensorLayout
+    chunks: tuple[ChunkSource, ...]
+
+
+@dataclass(frozen=True)
+class DcpCheckpoint:
+    """A parsed DCP directory: every tensor, by Diffusers name, and the files it reads."""
+
+    directory: Path
+    tensors: dict[str, DcpTensor]
+    files: tuple[str, ...]  # .metadata and every .distcp, sorted
+
+
+def read_metadata(directory: Path, *, trust_checkpoint: bool = False) -> Any:
+    """`.metadata` loaded with the closed unpickler; full unpickling only with --trust-checkpoint."""
+    problem = not_a_dcp_dir(directory)
+    if problem or not (directory / METADATA).is_file():
+        raise CheckpointError(problem or f"{directory.name}/ has no {METADATA}: it is not a torch Distributed Checkpoint")
+    data = (directory / METADATA).read_bytes()
+    try:
+        return dcp_pickle.load_metadata(data)
+    except dcp_pickle.NotSafeMetadata as exc:
+        if not trust_checkpoint:
+            raise UnsafeCheckpointError(
+                f"{METADATA} in {directory.name}/ holds objects outside torch's checkpoint metadata ({exc}); "
+                "loading it would run arbitrary code. Pass --trust-checkpoint only if you trust its origin"
+            ) from None
+    except Exception as exc:  # truncated or corrupt pickle bytes
+        raise CheckpointError(f"{METADATA} in {directory.name}/ is truncated or damaged ({type(exc).__name__}: {exc}); "
+                              "copy the checkpoint again") from None
+    try:
+        return pickle.loads(data)  # trusted: torch's own reader does exactly this
+    except Exception as exc:
+        raise CheckpointError(f"{METADATA} in {directory.name}/ could not be loaded even with --trust-checkpoint "
+                              f"({type(exc).__name__}: {exc})") from None
+
+
+def model_name(key: str) -> str:
+    """The Diffusers state-dict name of a DCP key: wrapper prefixes and segments removed."""
+    for segment in _ANYWHERE:
+        key = key.replace(segment, "")
+    changed = True
+    while changed:
+        changed = False
+        for prefix in _LEADING:
+            if key.startswith(prefix):
+                key, changed = key[len(prefix):], True
+    return key
+
+
+def open_dcp(directory: Path, *, trust_checkpoint: bool = False) -> DcpCheckpoint:
+    """Parse a DCP directory: every tensor's chunks and byte ranges, checked against the files present."""
+    metadata = read_metadata(directory, trust_checkpoint=trust_checkpoint)
+    try:
+        return _parse(directory, metadata)
+    except (AttributeError, TypeError, ValueError) as exc:  # well-formed pickle, wrong shapes inside
+        raise CheckpointError(f"{METADATA} in {directory.name}/ is malformed ({type(exc).__name__}: {exc}); "
+                              "it was not written by torch.distributed.checkpoint.save") from None
+
+
+def _parse(directory: Path, metadata: Any) -> DcpCheckpoint:
+    entries = getattr(metadata, "state_dict_metadata", None)
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(entries, dict) or not isinstance(storage, dict):
+        raise CheckpointError(f"{METADATA} in {directory.name}/ has no tensor table; it is not a DCP model checkpoint")
+    places = {(index.fqn, tuple(int(n) for n in index.offset)): info for index, info in storage.items()}
+    sizes = _file_sizes(directory, {info.relative_path for info in storage.values()})
+    tensors: dict[str, DcpTensor] = {}
+    for key in sorted(entries):
+        tensor = _tensor(key, entries[key], places, sizes, directory.name)
+        if tensor.name in tensors:
+            raise CheckpointError(f"keys {tensors[tensor.name].layout.key} and {key} name the same tensor "
+                                  "after removing wrapper prefixes")
+        tensors[tensor.name] = tensor
+    present = sorted(p.name for p in directory.glob(f"*{SUFFIX}"))
+    return DcpCheckpoint(directory, tensors, (METADATA, *present))
+
+
+def _file_sizes(directory: Path, names: set[str]) -> dict[str, int]:
+    sizes = {}
+    for name in sorted(names):
+        if not isinstance(name, str) or "/" in name or "\\" in name or name in ("", ".", "..") or not name.endswith(SUFFIX):
+            raise CheckpointError(f"{METADATA} in {directory.name}/ names an unsafe data file {name!r}")
+        path = directory / name
+        if path.is_symlink() or not path.is_file():
+            raise CheckpointError(f"{METADATA} in {directory.name}/ names {name}, which is missing; "
+                                  "the checkpoint is incomplete: copy the whole directory again")
+        sizes[name] = path.stat().st_size
+    return sizes
+
+
+def _tensor(key: str, entry: Any, places: dict, sizes: dict[str, int], dir_name: str) -> DcpTensor:
+    if not isinstance(key, str) or not hasattr(entry, "chunks"):
+        raise CheckpointError(f"{key!r} in {dir_name}/ is not a tensor (bytes or an object); "
+                              "only model weights can be exported")
+    dtype = str(entry.properties.dtype).removeprefix("torch.")
+    shape = tuple(int(n) for n in entry.size)
+    chunks: list[ChunkSource] = []
+    for chunk in entry.chunks:
+        offsets, chunk_sizes = tuple(int(n) for n in chunk.offsets), tuple(int(n) for n in chunk.sizes)
+        info = places.get((key, offsets))
+        if info is None:
+            raise CheckpointError(f"{key}: chunk at {list(offsets)} has no storage entry in {METADATA}; the checkpoint is damaged")
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointError(f"{key}: chunk stored with transforms {list(info.transform_descriptors)} "
+                                  "(compressed DCP); save without storage extensions")
+        end = int(info.offset) + int(info.length)
+        if int(info.offset) < 0 or int(info.length) <= 0 or end > sizes[info.relative_path]:
+            raise CheckpointError(f"{info.relative_path} is truncated: {key} needs bytes up to {end:,} but the file has "
+                                  f"{sizes[info.relative_path]:,}; copy the checkpoint again")
+        chunks.append(ChunkSource(offsets, chunk_sizes, info.relative_path, int(info.offset), int(info.length)))
+    chunks.sort(key=lambda c: c.offsets)
+    layout = _layout(key, dtype, shape, chunks)
+    return DcpTensor(model_name(key), layout, tuple(chunks))
+
+
+def _layout(key: str, dtype: str, shape: tuple[int, ...], chunks: list[ChunkSource]) -> TensorLayout:
+    """The chunks as a TensorLayout: one chunk for a whole tensor, or pieces along one dimension in order."""
+    if len(chunks) == 1 and chunks[0].sizes == shape and not any(chunks[0].offsets):
+        return TensorLayout(key, dtype, shape, None, ((0,),), (shape,))
+    varying = {d for c in chunks for d, (o, s) in enumerate(zip(c.offsets, c.sizes)) if o != 0 or s != shape[d]}
+    if len(varying) != 1:
+        raise ShardLayoutError(f"{key} is split on {len(varying)} dimensions in the DCP (tensor parallel?); "
+                               "only pieces along one dimension (FSDP) can be reassembled")
+    dim = varying.pop()
+    position = 0
+    for chunk in chunks:
+        if len(chunk.offsets) != len(shape) or chunk.offsets[dim] != position:
+            raise ShardLayoutError(f"{key}: DCP chunks do not tile the tensor along dim {dim} (gap or overlap at {position})")
+        position += chunk.sizes[dim]
+    if position != shape[dim]:
+        raise ShardLayoutError(f"{key}: DCP chunks cover {position} of {shape[dim]} rows along dim {dim}")
+    return TensorLayout(key, dtype, shape, dim, tuple((i,) for i in range(len(chunks))),
+                        tuple(c.sizes for c in chunks))
+
+
+class DcpChunks:
+    """Chunk tensors of a DCP, read on demand from their byte ranges: the DCP side of `RankStates.local`."""
+
+    def __init__(self, checkpoint: DcpCheckpoint) -> None:
+        self.checkpoint = checkpoint
+        self._by_key = {t.layout.key: t for t in checkpoint.tensors.values()}
+
+    def local(self, chunk: int, key: str) -> torch.Tensor:
+        source = self._by_key[key].chunks[chunk]
+        with open(self.checkpoint.directory / source.file, "rb") as handle:
+            handle.seek(source.offset)
+            data = handle.read(source.length)
+        if len(data) != source.length:
+            raise CheckpointError(f"{source.file} is truncated: {key} needs {source.length:,} bytes at {source.offset:,}; "
+                                  "copy the checkpoint again")
+        try:
+            tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as exc:  # damage, or a payload the safe loader refuses
+            raise CheckpointError(f"{source.file}: the bytes of {key} at {source.offset:,} are damaged or not a tensor "
+                                  f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "
+                                  "copy the checkpoint again") from None
+        if type(tensor) is not torch.Tensor or tuple(tensor.shape) != source.sizes:
+            raise CheckpointError(f"{source.file}: {key} chunk at {list(source.offsets)} holds "
+                                  f"{getattr(tensor, 'shape', type(tensor).__name__)}, {METADATA} says {list(source.sizes)}")
+        return tensor.contiguous()
+
+
+def check_keys(checkpoint: DcpCheckpoint, expected: dict[str, tuple[int, ...]]) -> None:
+    """The DCP must hold exactly the base's tensors (after wrapper stripping), with the same shapes."""
+    from mergeflow.export.reconstruct import check_coverage
+
+    actual = {name: t.layout.shape for name, t in checkpoint.tensors.items()}
+    if not set(actual) & set(expected):
+        raise SchemaMismatchError(
+            f"none of the {len(actual)} DCP keys names a tensor of the base (e.g. {', '.join(sorted(actual)[:2])} vs "
+            f"{', '.join(sorted(expected)[:2])}); is this the right base, or a DCP of another model?")
+    check_coverage(expected, actual)
+
+
+def read_tensor(chunks: DcpChunks, name: str) -> torch.Tensor:
+    """One global tensor, assembled by reconstruct's path and round-trip verified chunk by chunk."""
+    from mergeflow.export.reconstruct import (
+        global_pieces,
+        verified_chunks,
+        verify_round_trip,
+    )
+
+    layout = chunks.checkpoint.tensors[name].layout
+    pieces = verified_chunks(layout, chunks)  # type: ignore[arg-type]  (duck-typed like RankStates)
+    parts = list(global_pieces(layout, pieces, layout.dtype, name))
+    written = parts[0] if len(parts) == 1 else torch.cat([p.reshape(-1) for p in parts]).view(layout.shape)
+    verify_round_trip(layout, written, pieces, layout.dtype, name)
+    return written
+
+
+def source_files(checkpoint: DcpCheckpoint) -> dict[str, str]:
+    """sha256 of `.metadata` and every `.distcp`, for the manifest's source_files."""
+    digests = {}
+    for name in checkpoint.files:
+        sha = hashlib.sha256()
+        with open(checkpoint.directory / name, "rb") as handle:
+            while block := handle.read(_HASH_BLOCK):
+                sha.update(block)
+        digests[name] = sha.hexdigest()
+    return digests
+
+
+def file_size(checkpoint: DcpCheckpoint, name: str) -> int:
+    return os.path.getsize(checkpoint.directory / name)

@@ -1,0 +1,217 @@
+"""torch Distributed Checkpoint input, written by real gloo ranks with fully_shard + dcp.save."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import mergeflow.errors as E
+from mergeflow.demo.checkpoints import build_transformer
+from mergeflow.formats import dcp
+from tests.fixtures.dcp_writers import DcpCheckpoint, write_dcp_checkpoint
+
+
+@pytest.fixture(scope="module")
+def accelerate_dcp(tmp_path_factory: pytest.TempPathFactory) -> DcpCheckpoint:
+    """3 ranks (uneven and empty shards), keys prefixed "model." as accelerate's FSDP2 save writes them."""
+    return write_dcp_checkpoint(tmp_path_factory.mktemp("dcp3"), world_size=3, prefix="model.")
+
+
+@pytest.fixture(scope="module")
+def bf16_lora_dcp(tmp_path_factory: pytest.TempPathFactory) -> DcpCheckpoint:
+    """2 ranks, bfloat16 weights, a PEFT model (base_model.model. prefix, base_layer + lora_A/B keys)."""
+    return write_dcp_checkpoint(tmp_path_factory.mktemp("dcp2"), world_size=2, dtype=torch.bfloat16, lora=True)
+
+
+def _copy(ckpt: DcpCheckpoint, root: Path) -> Path:
+    target = root / "pytorch_model_fsdp_0"
+    shutil.copytree(ckpt.dcp_dir, target)
+    return target
+
+
+def _assert_reads_bit_exact(ckpt: DcpCheckpoint) -> dcp.DcpCheckpoint:
+    parsed = dcp.open_dcp(ckpt.dcp_dir)
+    chunks = dcp.DcpChunks(parsed)
+    expected = {dcp.model_name(key): value for key, value in ckpt.trained.items()}
+    assert set(parsed.tensors) == set(expected)
+    for name, want in expected.items():
+        got = dcp.read_tensor(chunks, name)
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert torch.equal(got.reshape(-1).view(torch.uint8), want.contiguous().reshape(-1).view(torch.uint8)), name
+    return parsed
+
+
+def test_a_real_gloo_dcp_reads_back_bit_exact_with_uneven_and_empty_shards(accelerate_dcp: DcpCheckpoint) -> None:
+    parsed = _assert_reads_bit_exact(accelerate_dcp)
+    assert parsed.files == (".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp")
+    assert all(not name.startswith("model.") for name in parsed.tensors)  # accelerate's wrapper stripped
+    sizes = {t.layout.chunk_shapes for t in parsed.tensors.values() if len(t.chunks) == 3}
+    assert any(shapes[-1][0] == 0 for shapes in sizes), "the fixture must hold an empty trailing shard"
+    assert any(len({s[0] for s in shapes}) > 1 for shapes in sizes), "the fixture must hold uneven shards"
+    base = build_transformer(accelerate_dcp.class_name, seed=0)
+    dcp.check_keys(parsed, {k: tuple(v.shape) for k, v in base.state_dict().items()})
+
+
+def test_a_bf16_peft_dcp_reads_back_bit_exact(bf16_lora_dcp: DcpCheckpoint) -> None:
+    parsed = _assert_reads_bit_exact(bf16_lora_dcp)
+    names = set(parsed.tensors)
+    assert any(n.endswith(".lora_A.default.weight") for n in names)
+    assert any(n.endswith(".base_layer.weight") for n in names)
+    assert not any(n.startswith("base_model.") for n in names)
+    # PEFT keeps adapters in float32 beside bf16 base weights (autocast_adapter_dtype): both kinds must read back
+    dtypes = {n: t.layout.dtype for n, t in parsed.tensors.items()}
+    assert {d for n, d in dtypes.items() if "lora_" not in n} == {"bfloat16"}
+    assert {d for n, d in dtypes.items() if "lora_" in n} == {"float32"}
+
+
+def test_source_files_hash_the_metadata_and_every_distcp(accelerate_dcp: DcpCheckpoint) -> None:
+    import hashlib
+
+    parsed = dcp.open_dcp(accelerate_dcp.dcp_dir)
+    digests = dcp.source_files(parsed)
+    assert set(digests) == {".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"}
+    for name, digest in digests.items():
+        assert digest == hashlib.sha256((accelerate_dcp.dcp_dir / name).read_bytes()).hexdigest()
+
+
+class _CreatesAFile:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("where", ["top_level", "inside_metadata"])
+def test_a_malicious_metadata_is_refused_without_running_anything(accelerate_dcp: DcpCheckpoint, tmp_path: Path,
+                                                                  where: str) -> None:
+    target = _copy(accelerate_dcp, tmp_path)
+    marker = tmp_path / "pwned"
+    payload: object = _CreatesAFile(marker)
+    if where == "inside_metadata":
+        metadata = pickle.loads((target / ".metadata").read_bytes())  # our own, trusted fixture
+        metadata.storage_meta = payload
+        payload = metadata
+    (target / ".metadata").write_bytes(pickle.dumps(payload))
+    with pytest.raises(E.UnsafeCheckpointError, match="--trust-checkpoint") as info:
+        dcp.open_dcp(target)
+    assert "posix.system" in str(info.value) or "os.system" in str(info.value)
+    assert "\n" not in str(info.value)
+    assert not marker.exists()
+
+
+def test_trust_checkpoint_admits_a_benign_global_the_closed_reader_refuses(accelerate_dcp: DcpCheckpoint,
+                                                                          tmp_path: Path) -> None:
+    target = _copy(accelerate_dcp, tmp_path)
+    metadata = pickle.loads((target / ".metadata").read_bytes())
+    metadata.planner_data = {"saved_at": datetime.datetime(2026, 1, 1)}
+    (target / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(E.UnsafeCheckpointError, match="datetime"):
+        dcp.open_dcp(target)
+    parsed = dcp.open_dcp(target, trust_checkpoint=True)
+    assert set(parsed.tensors) == {dcp.model_name(k) for k in accelerate_dcp.trained}
+
+
+def test_a_truncated_metadata_is_refused_as_damaged(accelerate_dcp: DcpCheckpoint, tmp_path: Path) -> None:
+    target = _copy(accelerate_dcp, tmp_path)
+    data = (target / ".metadata").read_bytes()
+    (target / ".metadata").write_bytes(data[: len(data) // 3])
+    with pytest.raises(E.CheckpointError, match=r"\.metadata in pytorch_model_fsdp_0/ is truncated or damaged") as info:
+        dcp.open_dcp(target)
+    assert not isinstance(info.value, E.UnsafeCheckpointError)
+
+
+def test_a_metadata_with_wrong_shapes_inside_is_refused_as_malformed(accelerate_dcp: DcpCheckpoint,
+                                                                      tmp_path: Path) -> None:
+    target = _copy(accelerate_dcp, tmp_path)
+    metadata = pickle.loads((target / ".metadata").read_bytes())
+    first = sorted(metadata.state_dict_metadata)[0]
+    metadata.state_dict_metadata[first].chunks[0].sizes = None
+    (target / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(E.CheckpointError, match="is malformed"):
+        dcp.open_dcp(target)
+
+
+def test_a_truncated_distcp_is_refused(accelerate_dcp: DcpCheckpoint, tmp_path: Path) -> None:
+    target = _copy(accelerate_dcp, tmp_path)
+    victim = target / "__1_0.distcp"
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    with pytest.raises(E.CheckpointError, match=r"__1_0\.distcp is truncated"):
+        dcp.open_dcp(target)
+
+
+def test_damaged_chunk_bytes_are_refused_on_read(accelerate_dcp: DcpCheckpoint, tmp_path: Path) -> None:
+    target = _copy(accelerate_dcp, tmp_path)
+    victim = target / "__0_0.distcp"
+    data = bytearray(victim.read_bytes())
+    data[:64] = b"\0" * 64  # the first chunk's zip header
+    victim.write_bytes(bytes(data))
+    parsed = dcp.open_dcp(target)
+    first = min(parsed.tensors.values(), key=lambda t: (t.chunks[0].file, t.chunks[0].offset))
+    with pytest.raises(E.CheckpointError, match="damaged or not a tensor"):
+        dcp.read_tensor(dcp.DcpChunks(parsed), first.name)
+
+
+def test_a_metadata_that_names_a_missing_file_is_refused(accelerate_dcp: DcpCheckpoint, tmp_path: Path) -> None:
+    target = _copy(accelerate_dcp, tmp_path)
+    (target / "__2_0.distcp").unlink()
+    with pytest.raises(E.CheckpointError, match=r"names __2_0\.distcp, which is missing"):
+        dcp.open_dcp(target)
+
+
+def test_a_dcp_whose_keys_do_not_match_the_base_is_refused(accelerate_dcp: DcpCheckpoint) -> None:
+    parsed = dcp.open_dcp(accelerate_dcp.dcp_dir)
+    other = build_transformer("SD3Transformer2DModel", seed=0)  # another architecture: some names agree
+    with pytest.raises(E.SchemaMismatchError, match=r"lacks \d+ tensor"):
+        dcp.check_keys(parsed, {k: tuple(v.shape) for k, v in other.state_dict().items()})
+    same = {k: tuple(v.shape) for k, v in build_transformer(accelerate_dcp.class_name, seed=0).state_dict().items()}
+    with pytest.raises(E.SchemaMismatchError, match="none of the"):  # a wrapper prefix nobody stripped
+        dcp.check_keys(parsed, {f"transformer.{k}": shape for k, shape in same.items()})
+    shape_off = dict(same, **{"proj_out.bias": (3,)})
+    with pytest.raises(E.SchemaMismatchError, match=r"proj_out\.bias has shape \[2\]"):
+        dcp.check_keys(parsed, shape_off)
+    with pytest.raises(E.SchemaMismatchError, match="lacks 1 tensor"):
+        dcp.check_keys(parsed, {**same, "extra_block.weight": (2, 2)})
+
+
+def test_wrapper_prefixes_are_stripped_to_the_diffusers_names() -> None:
+    assert dcp.model_name("model.transformer_blocks.0.attn.to_q.weight") == "transformer_blocks.0.attn.to_q.weight"
+    assert dcp.model_name("base_model.model.proj_out.lora_A.default.weight") == "proj_out.lora_A.default.weight"
+    assert dcp.model_name("module._fsdp_wrapped_module.proj_out.weight") == "proj_out.weight"
+    assert dcp.model_name("model._orig_mod.norm_out.linear.bias") == "norm_out.linear.bias"
+
+
+def test_a_dcp_dir_that_is_not_finished_says_so(tmp_path: Path) -> None:
+    from mergeflow.formats.verl_checkpoint import read_fsdp_config
+
+    unfinished = tmp_path / "pytorch_model_fsdp_0"
+    unfinished.mkdir()
+    (unfinished / "__0_0.distcp").write_bytes(b"x")
+    with pytest.raises(E.CheckpointError, match="DCP checkpoint without .metadata: the save did not finish"):
+        dcp.open_dcp(unfinished)
+    with pytest.raises(E.CheckpointError, match="DCP checkpoint without .metadata: the save did not finish"):
+        read_fsdp_config(unfinished)
+    only_metadata = tmp_path / "only_metadata"
+    only_metadata.mkdir()
+    (only_metadata / ".metadata").write_bytes(b"\x80\x04")
+    with pytest.raises(E.CheckpointError, match=r"no \*\.distcp"):
+        dcp.open_dcp(only_metadata)
+    with pytest.raises(E.CheckpointError, match="not a torch Distributed Checkpoint"):
+        dcp.open_dcp(tmp_path)
+
+
+def test_inspect_describes_a_dcp_from_its_metadata(bf16_lora_dcp: DcpCheckpoint) -> None:
+    from mergeflow.export.describe import describe_checkpoint
+
+    summary = describe_checkpoint(bf16_lora_dcp.dcp_dir)
+    assert summary["layout"] == "DCP" and summary["world_size"] == 2
+    assert summary["tensors"] == len(bf16_lora_dcp.trained)
+    assert summary["lora_adapters"] == ["default"]
+    assert summary["bytes"] == sum(t.numel() * t.element_size() for t in bf16_lora_dcp.trained.values())
+    assert set(summary["dtypes"]) == {"bfloat16", "float32"}
