@@ -13,6 +13,7 @@ import torch
 
 import mergeflow.errors as E
 from mergeflow.demo.checkpoints import build_transformer
+from mergeflow.export import dcp_source
 from mergeflow.formats import dcp
 from tests.fixtures.dcp_writers import DcpCheckpoint, write_dcp_checkpoint
 
@@ -41,7 +42,7 @@ def _assert_reads_bit_exact(ckpt: DcpCheckpoint) -> dcp.DcpCheckpoint:
     expected = {dcp.model_name(key): value for key, value in ckpt.trained.items()}
     assert set(parsed.tensors) == set(expected)
     for name, want in expected.items():
-        got = dcp.read_tensor(chunks, name)
+        got = dcp_source.read_tensor(chunks, name)
         assert got.dtype == want.dtype and got.shape == want.shape, name
         assert torch.equal(got.reshape(-1).view(torch.uint8), want.contiguous().reshape(-1).view(torch.uint8)), name
     return parsed
@@ -55,7 +56,7 @@ def test_a_real_gloo_dcp_reads_back_bit_exact_with_uneven_and_empty_shards(accel
     assert any(shapes[-1][0] == 0 for shapes in sizes), "the fixture must hold an empty trailing shard"
     assert any(len({s[0] for s in shapes}) > 1 for shapes in sizes), "the fixture must hold uneven shards"
     base = build_transformer(accelerate_dcp.class_name, seed=0)
-    dcp.check_keys(parsed, {k: tuple(v.shape) for k, v in base.state_dict().items()})
+    dcp_source.check_keys(parsed, {k: tuple(v.shape) for k, v in base.state_dict().items()})
 
 
 def test_a_bf16_peft_dcp_reads_back_bit_exact(bf16_lora_dcp: DcpCheckpoint) -> None:
@@ -155,7 +156,7 @@ def test_damaged_chunk_bytes_are_refused_on_read(accelerate_dcp: DcpCheckpoint, 
     parsed = dcp.open_dcp(target)
     first = min(parsed.tensors.values(), key=lambda t: (t.chunks[0].file, t.chunks[0].offset))
     with pytest.raises(E.CheckpointError, match="damaged or not a tensor"):
-        dcp.read_tensor(dcp.DcpChunks(parsed), first.name)
+        dcp_source.read_tensor(dcp.DcpChunks(parsed), first.name)
 
 
 def test_a_metadata_that_names_a_missing_file_is_refused(accelerate_dcp: DcpCheckpoint, tmp_path: Path) -> None:
@@ -169,15 +170,15 @@ def test_a_dcp_whose_keys_do_not_match_the_base_is_refused(accelerate_dcp: DcpCh
     parsed = dcp.open_dcp(accelerate_dcp.dcp_dir)
     other = build_transformer("SD3Transformer2DModel", seed=0)  # another architecture: some names agree
     with pytest.raises(E.SchemaMismatchError, match=r"lacks \d+ tensor"):
-        dcp.check_keys(parsed, {k: tuple(v.shape) for k, v in other.state_dict().items()})
+        dcp_source.check_keys(parsed, {k: tuple(v.shape) for k, v in other.state_dict().items()})
     same = {k: tuple(v.shape) for k, v in build_transformer(accelerate_dcp.class_name, seed=0).state_dict().items()}
     with pytest.raises(E.SchemaMismatchError, match="none of the"):  # a wrapper prefix nobody stripped
-        dcp.check_keys(parsed, {f"transformer.{k}": shape for k, shape in same.items()})
+        dcp_source.check_keys(parsed, {f"transformer.{k}": shape for k, shape in same.items()})
     shape_off = dict(same, **{"proj_out.bias": (3,)})
     with pytest.raises(E.SchemaMismatchError, match=r"proj_out\.bias has shape \[2\]"):
-        dcp.check_keys(parsed, shape_off)
+        dcp_source.check_keys(parsed, shape_off)
     with pytest.raises(E.SchemaMismatchError, match="lacks 1 tensor"):
-        dcp.check_keys(parsed, {**same, "extra_block.weight": (2, 2)})
+        dcp_source.check_keys(parsed, {**same, "extra_block.weight": (2, 2)})
 
 
 def test_wrapper_prefixes_are_stripped_to_the_diffusers_names() -> None:
