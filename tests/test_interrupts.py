@@ -53,12 +53,7 @@ def test_an_interrupted_export_ends_with_one_line_and_resumes(tmp_path: Path, pr
     # Every written tensor slowed down (tests/slow_cli.py), so the signal lands mid-write.
     proc = forked_cli.popen([str(TESTS / "slow_cli.py"), "0.15", *merge_args(ex, target)], env)
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and proc.poll() is None:
-            if list(tmp_path.glob(".out.mergeflow-staging-*/work/shard-*.json")):
-                break
-            time.sleep(0.05)
-        assert proc.poll() is None, f"finished before the signal: {proc.communicate()[1][-2000:]!r}"
+        _wait_until_writing(proc, tmp_path)
         sent = time.monotonic()
         for _ in range(times):
             os.kill(proc.pid, signum)
@@ -91,6 +86,16 @@ def test_an_interrupted_export_ends_with_one_line_and_resumes(tmp_path: Path, pr
     assert not kept.exists()
 
 
+def _wait_until_writing(proc: Any, root: Path) -> None:
+    """Until the slowed export has finished a shard record (so a signal lands mid-write); it must still run."""
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        if list(root.glob(".out.mergeflow-staging-*/work/shard-*.json")):
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, f"finished before the signal: {proc.communicate()[1][-2000:]!r}"
+
+
 def test_ctrl_c_without_a_server_is_one_line_too(tmp_path: Path) -> None:
     """No PREFECT_API_URL and no background server: Prefect's temporary per-command server dies with
     the Ctrl-C (it is in the command's process group); the export still ends with one line and 130."""
@@ -100,10 +105,7 @@ def test_ctrl_c_without_a_server_is_one_line_too(tmp_path: Path) -> None:
     env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false", MERGEFLOW_LOCAL_SERVER="0")
     proc = forked_cli.popen([str(TESTS / "slow_cli.py"), "0.15", *merge_args(ex, target)], env)  # cold: no API to fork for
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and proc.poll() is None and not list(tmp_path.glob(".out.mergeflow-staging-*/work/shard-*.json")):
-            time.sleep(0.05)
-        assert proc.poll() is None, f"finished before the signal: {proc.communicate()[1][-2000:]!r}"
+        _wait_until_writing(proc, tmp_path)
         servers = _command_servers_of(proc.pid)
         assert len(servers) == 1, servers  # mergeflow's own temporary server, in a session of its own
         sent = time.monotonic()

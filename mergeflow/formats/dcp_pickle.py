@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from mergeflow.formats.rank_pickle import SAFE_DTYPES, strided_layout
+
 
 class NotSafeMetadata(Exception):
     """The pickle names something outside the closed table (a payload, or a newer torch's class)."""
@@ -89,14 +91,9 @@ def _path(*parts: Any) -> str:  # StorageMeta.checkpoint_id: where it was saved 
 
 
 def _layout(name: Any) -> str:
-    if name != "torch.strided":
-        raise NotSafeMetadata(f"layout {name!r}")
-    return name
+    return strided_layout(name, NotSafeMetadata)
 
 
-_DTYPES = {name: getattr(torch, name) for name in (
-    "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
-    "float8_e4m3fn", "float8_e5m2", "complex64", "complex128") if hasattr(torch, name)}
 _MD = "torch.distributed.checkpoint.metadata"
 _FS = "torch.distributed.checkpoint.filesystem"
 _TABLE: dict[tuple[str, str], Any] = {
@@ -115,7 +112,7 @@ _TABLE: dict[tuple[str, str], Any] = {
     ("pathlib", "PurePosixPath"): _path,
     ("torch", "Size"): torch.Size,
     ("torch.serialization", "_get_layout"): _layout,
-    **{("torch", name): dtype for name, dtype in _DTYPES.items()},
+    **{("torch", name): dtype for name, dtype in SAFE_DTYPES.items()},
 }
 
 

@@ -224,13 +224,19 @@ def _device(name: Any) -> str:
     return "cpu"  # map_location="cpu": GPU-written files load on the CPU
 
 
-def _layout(name: Any) -> str:
+def strided_layout(name: Any, error: type[Exception]) -> str:
+    """`torch.serialization._get_layout`'s argument, admitted only for the one layout a checkpoint holds."""
     if name != "torch.strided":
-        raise NotFastReadable(f"layout {name!r}")
+        raise error(f"layout {name!r}")
     return name
 
 
-_DTYPES = {name: getattr(torch, name) for name in (
+def _layout(name: Any) -> str:
+    return strided_layout(name, NotFastReadable)
+
+
+# torch's dtypes as pickles name them (`torch.float32`): plain values, safe to hand out.
+SAFE_DTYPES = {name: getattr(torch, name) for name in (
     "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
     "float8_e4m3fn", "float8_e5m2", "complex64", "complex128") if hasattr(torch, name)}
 _STORAGES = {
@@ -262,7 +268,7 @@ _TABLE: dict[tuple[str, str], Any] = {
     ("torch", "Size"): torch.Size,
     ("torch", "device"): _device,
     ("torch.serialization", "_get_layout"): _layout,
-    **{("torch", name): dtype for name, dtype in _DTYPES.items()},
+    **{("torch", name): dtype for name, dtype in SAFE_DTYPES.items()},
     **{("torch", name): _StorageType(dtype) for name, dtype in _STORAGES.items()},
 }
 
