@@ -32,6 +32,7 @@ os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
 
 def merge_direct(config: Any) -> dict[str, str]:
     """The merge flow's steps for a plain (non-LoRA) export, called directly: no Prefect at all."""
+    from mergeflow.export.layout import rank_layouts
     from mergeflow.export.plan import build_plan
     from mergeflow.export.publish import finalize_staging, publish_staged
     from mergeflow.export.rank_index import hash_rank_file, index_rank_file
@@ -47,7 +48,7 @@ def merge_direct(config: Any) -> dict[str, str]:
         check_target(Path(plan.output.target))
         indexes = list(pool.map(lambda r: index_rank_file(Path(plan.checkpoint.actor_dir), plan.checkpoint.rank_files[r], r, trust_checkpoint=trust),
                                 range(plan.checkpoint.world_size)))
-        output = pack_shards(plan_tensor_writes(plan, indexes), plan.options.max_shard_size, plan.output.weights_name, plan.fingerprint)
+        output = pack_shards(plan_tensor_writes(plan, rank_layouts(indexes)), plan.options.max_shard_size, plan.output.weights_name, plan.fingerprint)
         artifact_dir, work_dir = Path(plan.output.tensor_dir), Path(plan.output.work_dir)
         artifact_dir.mkdir(parents=True, exist_ok=True)
         work_dir.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""`prefect.yaml`: mergeflow's two deployments for `prefect deploy` and workers.
+"""`prefect.yaml`: mergeflow's three deployments for `prefect deploy` and workers.
 
 `mergeflow serve` builds the same deployments in code (mergeflow.flows.serve); tests/test_ops.py
 keeps the two in step.

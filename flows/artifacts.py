@@ -78,6 +78,11 @@ def validate_command(output_dir: str) -> str:
     return f"mergeflow test --backend fsdp --test_hf_dir {shlex.quote(output_dir)}"
 
 
+def checkpoint_kind(plan: MergePlan) -> str:
+    """How the summary names the checkpoint's layout: verl's FSDP version, or a DCP (which does not record it)."""
+    return "torch DCP" if plan.checkpoint.format == "dcp" else f"FSDP v{plan.checkpoint.fsdp_version}"
+
+
 def summary_markdown(plan: MergePlan, manifest: JsonObject, output_dir: str, total_bytes: int) -> str:
     """The export at a glance: source, base, output, what each verification layer proved, how to re-check it."""
     tensor_bytes = sum(_numel(info["shape"]) * _itemsize(info["dtype"]) for info in manifest["tensors"].values())
@@ -91,7 +96,7 @@ def summary_markdown(plan: MergePlan, manifest: JsonObject, output_dir: str, tot
         f"| base model | `{plan.base.base_dir}` |" if plan.base.base_dir else "| base model | a Hub model (see the manifest) |",
         f"| output | `{output_dir}` |",
         f"| artifact type | {manifest['artifact_type']} |",
-        f"| world size | {plan.checkpoint.world_size} (FSDP v{plan.checkpoint.fsdp_version}) |",
+        f"| world size | {plan.checkpoint.world_size} ({checkpoint_kind(plan)}) |",
         f"| tensors | {len(manifest['tensors'])} ({human_bytes(tensor_bytes)}) |",
         f"| files | {len(manifest['files']) + 1} ({human_bytes(total_bytes)}) |",
         f"| dtype policy | {manifest['dtype']} |",

@@ -23,10 +23,14 @@ from typing import Literal
 
 from mergeflow.config import (
     DEFAULT_DTYPE,
+    DEFAULT_MAX_SHARD_SIZE,
     DEFAULT_OUTPUT_FORMAT,
+    DEFAULT_WORKERS,
     DTYPES,
     OUTPUT_FORMATS,
+    Dtype,
     ModelMergerConfig,
+    OutputFormat,
 )
 from mergeflow.errors import UsageError
 from mergeflow.flows.watch import find_checkpoints, inspect_checkpoint
@@ -45,10 +49,13 @@ class BackfillSettings:
     base_model: str
     target_root: str
     run_name: str | None = None  # default: the train dir's name, as the watcher names it
-    output_format: str = DEFAULT_OUTPUT_FORMAT
-    dtype: str = DEFAULT_DTYPE
+    output_format: OutputFormat = DEFAULT_OUTPUT_FORMAT
+    dtype: Dtype = DEFAULT_DTYPE
     allow_unchanged: bool = False
     stable_seconds: float = 5.0  # the watcher's default
+    # The served deployment passes serve's own, so a backfilled step is sharded like a triggered one.
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
+    workers: int = DEFAULT_WORKERS
 
 
 @dataclass(frozen=True)
@@ -112,8 +119,9 @@ def _one_step(settings: BackfillSettings, step: int, actor_dir: Path, target: Pa
     resumed = bool(staging_dirs_of(target))
     target.parent.mkdir(parents=True, exist_ok=True)
     config = ModelMergerConfig(operation="merge", local_dir=str(actor_dir), base_model=settings.base_model,
-                               target_dir=str(target), output_format=settings.output_format,  # type: ignore[arg-type]
-                               dtype=settings.dtype, allow_unchanged=settings.allow_unchanged)  # type: ignore[arg-type]
+                               target_dir=str(target), output_format=settings.output_format, dtype=settings.dtype,
+                               allow_unchanged=settings.allow_unchanged, max_shard_size=settings.max_shard_size,
+                               workers=settings.workers)
     merge(config)  # a failure propagates: the steps after it wait for a rerun, which resumes this one
     return StepResult(step, "done", str(target), "resumed" if resumed else "")
 

@@ -1,26 +1,105 @@
-"""The backfill as a Prefect flow: each step's export runs as a merge subflow (UI, deployments, the API)."""
+"""The backfill as a Prefect flow: each step's export runs as a merge subflow (UI, deployments, the API).
+
+`mergeflow serve` serves it as the `mergeflow-backfill/backfill` deployment, run on demand (no
+trigger); its parameters default to serve's settings, so a backfilled step lands where, and is
+written as, the triggered merge of the same step would be.
+"""
 
 from __future__ import annotations
 
-from prefect import flow, get_run_logger
+from pathlib import Path
 
-from mergeflow.config import DEFAULT_DTYPE, DEFAULT_OUTPUT_FORMAT, ModelMergerConfig
+from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
+
+from mergeflow.config import (
+    DEFAULT_DTYPE,
+    DEFAULT_MAX_SHARD_SIZE,
+    DEFAULT_OUTPUT_FORMAT,
+    DEFAULT_TASK_RUNNER,
+    DEFAULT_WORKERS,
+    Dtype,
+    ModelMergerConfig,
+    OutputFormat,
+    TaskRunner,
+)
+from mergeflow.errors import UsageError
 from mergeflow.flows.backfill import BackfillSettings, backfill, summary
 from mergeflow.flows.merge import merge_flow
+from mergeflow.flows.run_names import slug
+from mergeflow.flows.runners import make_task_runner
+from mergeflow.flows.watch import find_checkpoints
+from mergeflow.io.confinement import Confinement
 from mergeflow.io.jsonfiles import JsonObject
 
 
-@flow(name="mergeflow-backfill", flow_run_name="backfill-{run_name}", persist_result=True, validate_parameters=True)
-def backfill_flow(train_dir: str, base_model: str, target_root: str, run_name: str | None = None,
-                  output_format: str = DEFAULT_OUTPUT_FORMAT, dtype: str = DEFAULT_DTYPE, allow_unchanged: bool = False,
-                  stable_seconds: float = 5.0) -> JsonObject:
-    """Export every complete, unpublished global_step_N of a training run, oldest first."""
+def backfill_run_name() -> str:
+    """`backfill-<run>`: the run name its steps' targets carry (the train dir's name by default)."""
+    params = flow_run.parameters or {}
+    run = params.get("run_name") or Path(str(params.get("train_dir") or "")).name
+    return f"backfill-{slug(str(run)) or 'run'}"
+
+
+def _confine(confinement: Confinement, train_dir: str, target_root: str, run_name: str | None) -> None:
+    """Refuse, before anything is read or written, a train dir (or a step folder linked into it) outside the
+    checkpoint roots, or a run name that would leave the target root."""
+    confinement.checkpoint(train_dir)
+    name = run_name or Path(train_dir).expanduser().absolute().name
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name:
+        raise UsageError(f"run_name {name!r} cannot name a directory under the target root; use a plain name")
+    confinement.target(Path(target_root) / name)
+    for candidate in find_checkpoints(Path(train_dir)):
+        confinement.checkpoint(str(candidate.actor_dir))
+
+
+@flow(name="mergeflow-backfill", flow_run_name=backfill_run_name, persist_result=True, validate_parameters=True)
+def backfill_flow(
+    train_dir: str,
+    base_model: str,
+    target_root: str,
+    run_name: str | None = None,
+    output_format: OutputFormat = DEFAULT_OUTPUT_FORMAT,
+    dtype: Dtype = DEFAULT_DTYPE,
+    allow_unchanged: bool = False,
+    stable_seconds: float = 5.0,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    workers: int = DEFAULT_WORKERS,
+    task_runner: TaskRunner = DEFAULT_TASK_RUNNER,
+    dask_address: str | None = None,
+    checkpoint_roots: list[str] | None = None,
+) -> JsonObject:
+    """Export every complete, unpublished global_step_N of a training run, oldest first.
+
+    Args:
+        train_dir: Absolute path of verl's output directory (it holds global_step_<N>/actor).
+        base_model: Absolute path of the local base model every step merges onto.
+        target_root: Step N is published to <target_root>/<run_name>/global_step_<N>; published steps are skipped.
+        run_name: Run name in the targets (a plain folder name); default: train_dir's folder name.
+        output_format: pipeline: the whole Diffusers pipeline; transformer: the trained transformer alone.
+        dtype: Dtype of the written weights; preserve keeps the trained dtypes.
+        allow_unchanged: Publish a step even when every tensor equals the base's.
+        stable_seconds: A checkpoint must stay unchanged this long to count as complete (as for the watcher).
+        max_shard_size: Bytes per output .safetensors file (2147483648 = 2 GiB).
+        workers: Parallel rank loaders and shard writers per step.
+        task_runner: thread: in this process; dask: on the Dask cluster at dask_address (shared filesystem).
+        dask_address: Scheduler address of a running Dask cluster (default: a temporary local cluster).
+        checkpoint_roots: Set by `mergeflow serve`: train_dir must lie below one of these (symlinks followed).
+    """
+    # A served run: its paths come from a form or the API, so they get the limits serve gives events.
+    confinement = Confinement.of(checkpoint_roots, target_root, [base_model]) if checkpoint_roots is not None else None
+    if confinement is not None:
+        _confine(confinement, train_dir, target_root, run_name)
     logger = get_run_logger()
-    settings = BackfillSettings(train_dir, base_model, target_root, run_name, output_format, dtype, allow_unchanged,
-                                stable_seconds)
+    settings = BackfillSettings(train_dir=train_dir, base_model=base_model, target_root=target_root, run_name=run_name,
+                                output_format=output_format, dtype=dtype, allow_unchanged=allow_unchanged,
+                                stable_seconds=stable_seconds, max_shard_size=max_shard_size, workers=workers)
+    runner = make_task_runner(task_runner, workers=workers, dask_address=dask_address)
 
     def merge(config: ModelMergerConfig) -> object:
+        if confinement is not None:  # again as each step starts: a step folder may have appeared since
+            confinement.checkpoint(str(config.local_dir))
+            confinement.target(str(config.target_dir))
         config.validate()
-        return merge_flow(config=config)
+        return merge_flow.with_options(task_runner=runner)(config=config)
 
     return summary(backfill(settings, merge, report=lambda r: logger.info("%s", r.line())))

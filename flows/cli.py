@@ -236,13 +236,14 @@ def _running_flows() -> Iterator[None]:
 
 def cmd_merge(args: argparse.Namespace) -> JsonObject:
     from mergeflow.export.preflight import preflight_merge
-    from mergeflow.formats.zip_records import sha256_and_check_records
+    from mergeflow.formats.checkpoint_dir import file_hasher, format_of
     from mergeflow.io.prefetch import DigestPrefetch
 
     config = _config_from(args, "merge")
-    rank_files = preflight_merge(config)  # refusals that need no tensor data answer before any server or Prefect import
-    # The manifest's rank-file digests: hashed from now on, on the core the imports leave idle.
-    DigestPrefetch.start(rank_files, hasher=sha256_and_check_records)
+    files = preflight_merge(config)  # refusals that need no tensor data answer before any server or Prefect import
+    # The manifest's source-file digests: hashed from now on, on the core the imports leave idle.
+    if files:
+        DigestPrefetch.start(files, hasher=file_hasher(format_of(files[0].parent)))
     with _running_flows():
         from mergeflow.flows.api import merge_model
         from mergeflow.flows.progress import stderr_progress

@@ -15,6 +15,7 @@ from prefect.utilities.annotations import opaque
 from mergeflow.architectures.conversions import convert_writes
 from mergeflow.config import ModelMergerConfig
 from mergeflow.errors import MergeflowError, UploadError
+from mergeflow.export.checkpoint_source import forget as forget_checkpoint
 from mergeflow.export.progress import (
     HASHING,
     INSPECTING,
@@ -23,14 +24,13 @@ from mergeflow.export.progress import (
     UPLOADING,
     VALIDATING,
 )
-from mergeflow.export.reconstruct import RankStates
 from mergeflow.export.shard_writer import pack_shards
 from mergeflow.export.unchanged import guard_unchanged
 from mergeflow.flows.artifacts import (
     publish_manifest_artifacts,
     start_progress,
 )
-from mergeflow.flows.progress import merge_progress
+from mergeflow.flows.progress import RunProgress, merge_progress
 from mergeflow.flows.run_names import export_label
 from mergeflow.io.fs import TargetLock
 from mergeflow.io.jsonfiles import JsonObject
@@ -39,9 +39,10 @@ from mergeflow.io.paths import check_target
 from mergeflow.io.prefetch import DigestPrefetch
 from mergeflow.io.staging import remove_partial_writes, settle_failed_staging
 from mergeflow.lora.artifact import ADAPTER_DIR
-from mergeflow.records import MergePlan, ShardRecord
+from mergeflow.records import MergePlan, ShardRecord, TensorLayout
 from mergeflow.tasks.copy_components import copy_components
 from mergeflow.tasks.inspect_inputs import inspect_inputs
+from mergeflow.tasks.layouts import combine_rank_layouts, index_dcp
 from mergeflow.tasks.load import hash_rank, load_rank_shards
 from mergeflow.tasks.lora import plan_lora, plan_lora_writes, write_lora_adapter
 from mergeflow.tasks.publish import publish, write_metadata
@@ -77,11 +78,27 @@ def light_submit(value: Any) -> Any:
 
 
 def submit_rank_hashes(plan: MergePlan) -> list[PrefectFuture[str]]:
-    return [hash_rank.submit(light_submit(plan), rank) for rank in range(plan.checkpoint.world_size)]
+    """One hash task per file of the manifest's source_files (rank files; a DCP's .metadata and .distcp files)."""
+    return [hash_rank.submit(light_submit(plan), rank) for rank in range(len(plan.checkpoint.rank_files))]
 
 
 def rank_digests(plan: MergePlan, futures: list[PrefectFuture[str]]) -> dict[str, str]:
     return {plan.checkpoint.rank_files[rank]: future.result() for rank, future in enumerate(futures)}
+
+
+def load_layouts(plan: MergePlan, progress: RunProgress) -> dict[str, TensorLayout]:
+    """Where every tensor's pieces are: each rank file indexed in parallel, or a DCP's `.metadata` read once."""
+    if plan.checkpoint.format == "dcp":
+        future = index_dcp.submit(light_submit(plan))
+        progress.counting(LOADING, [future])
+        layouts = future.result()
+        get_run_logger().info("Indexed %d tensors in the DCP's %d .distcp files", len(layouts), plan.checkpoint.world_size)
+        return layouts
+    rank_futures = [load_rank_shards.submit(light_submit(plan), rank) for rank in range(plan.checkpoint.world_size)]
+    progress.counting(LOADING, rank_futures)  # loading ranks k/W
+    indexes = [f.result() for f in rank_futures]
+    get_run_logger().info("Indexed %d rank files of world size %d", len(indexes), plan.checkpoint.world_size)
+    return combine_rank_layouts(light(indexes))
 
 
 def run_export(plan: MergePlan, allow_unchanged: bool = False) -> tuple[dict[str, str], JsonObject]:
@@ -91,23 +108,20 @@ def run_export(plan: MergePlan, allow_unchanged: bool = False) -> tuple[dict[str
     left = remove_partial_writes(Path(plan.output.staging))  # a killed run's temporary files: never resumed
     if left:
         logger.info("Removed %d temporary file(s) a killed run left: %s", len(left), ", ".join(left[:5]))
-    rank_futures = [load_rank_shards.submit(light_submit(plan), rank) for rank in range(plan.checkpoint.world_size)]
     progress = merge_progress()
-    progress.counting(LOADING, rank_futures)  # loading ranks k/W
-    indexes = [f.result() for f in rank_futures]
-    logger.info("Indexed %d rank files of world size %d", len(indexes), plan.checkpoint.world_size)
-    lora = plan_lora(light(plan), light(indexes)) if plan.lora is not None else None
+    layouts = load_layouts(plan, progress)
+    lora = plan_lora(light(plan), light(layouts)) if plan.lora is not None else None
     hashes: list[PrefectFuture[str]] | None = None
     adapter = None
     if lora is not None and lora.exports_adapter:
         hashes = submit_rank_hashes(plan)  # the adapter's own manifest lists the rank files' digests
-        adapter = write_lora_adapter(light(plan), light(lora), light(indexes), rank_digests(plan, hashes))
+        adapter = write_lora_adapter(light(plan), light(lora), light(layouts), rank_digests(plan, hashes))
     if lora is not None and not lora.writes_model:  # a LoRA-only adapter export: lora_adapter/ is the artifact
         verified = {f"{ADAPTER_DIR}/{adapter.shard.file_name}": adapter.shard.verified()}
         progress.begin(VALIDATING)
         return publish(light(plan), validate_staged_task(light(plan), adapter.manifest, light(verified))), adapter.manifest
-    writes = (plan_lora_writes(light(plan), light(lora), light(indexes)) if lora is not None
-              else plan_reconstruction(light(plan), light(indexes)))
+    writes = (plan_lora_writes(light(plan), light(lora), light(layouts)) if lora is not None
+              else plan_reconstruction(light(plan), light(layouts)))
     writes = convert_writes(plan.conversion, writes)  # an architecture adapter's conversion; else unchanged
     # Pipeline assets are copied while the shards are written.
     copy_future = copy_components.submit(light_submit(plan)) if plan.base.copy_files else None
@@ -129,7 +143,8 @@ def run_export(plan: MergePlan, allow_unchanged: bool = False) -> tuple[dict[str
     manifest = write_metadata(light(plan), light(output), rank_digests(plan, hashes), light(ordered), extra_files or None,
                               lora.fusion_record() if lora else None)
     if adapter is None:  # an exported LoRA adapter is the training: the model beside it is the base by design
-        manifest = guard_unchanged(plan, ordered, manifest, allow_unchanged)  # before validation: nothing published if refused
+        # Before validation: nothing is published if refused. A fusion's own weights are sampled first.
+        manifest = guard_unchanged(plan, ordered, manifest, allow_unchanged, lora.fused_weights if lora else frozenset())
     verified = {plan.output.relative(r.file_name): r.verified() for r in ordered}
     if adapter is not None:
         verified[f"{ADAPTER_DIR}/{adapter.shard.file_name}"] = adapter.shard.verified()
@@ -168,7 +183,7 @@ def merge_flow(config: ModelMergerConfig) -> JsonObject:
         raise typed from None
     finally:
         actor_dir = Path(config.local_dir or "").expanduser().resolve()
-        RankStates.forget(actor_dir)
+        forget_checkpoint(actor_dir)
         DigestPrefetch.forget(actor_dir)
     label = export_label(plan.output.target, plan.checkpoint.actor_dir)  # the progress artifact's key too
     total = publish_manifest_artifacts(plan, manifest, result["output_dir"], label)

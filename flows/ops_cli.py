@@ -33,7 +33,7 @@ def add_task_runner_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_ops_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Register serve, watch and staging on the main parser's subcommands."""
-    serve = sub.add_parser("serve", help="serve the merge (event-triggered) and validate deployments; "
+    serve = sub.add_parser("serve", help="serve the merge (event-triggered), validate and backfill deployments; "
                                     "prints one line per run started and finished")
     serve.add_argument("--base_model", "--base-model", dest="base_model", required=True, help="local base model directory")
     serve.add_argument("--target-root", "--target_root", dest="target_root", required=True,
@@ -90,12 +90,7 @@ def _stop_on_signals() -> Iterator[threading.Event]:
 
 
 def cmd_serve(args: argparse.Namespace) -> JsonObject:
-    from mergeflow.flows.serve import (
-        MERGE_DEPLOYMENT,
-        VALIDATE_DEPLOYMENT,
-        ServeSettings,
-        serve_deployments,
-    )
+    from mergeflow.flows.serve import ServeSettings, serve_deployments, served_names
 
     settings = ServeSettings(
         base_model=args.base_model, target_root=args.target_root, output_format=args.output_format, dtype=args.dtype,
@@ -107,8 +102,7 @@ def cmd_serve(args: argparse.Namespace) -> JsonObject:
         serve_deployments(settings, limit=args.limit)
     except KeyboardInterrupt:
         pass  # the runner has stopped; Ctrl-C is how a served process ends
-    return {"served": [f"mergeflow-merge-checkpoint/{MERGE_DEPLOYMENT}", f"mergeflow-validate/{VALIDATE_DEPLOYMENT}"],
-            "stopped": True}
+    return {"served": served_names(), "stopped": True}
 
 
 def cmd_watch(args: argparse.Namespace) -> JsonObject:

@@ -1,8 +1,15 @@
-"""`mergeflow serve`: the merge and validate deployments, the merge one triggered by checkpoint events.
+"""`mergeflow serve`: the merge, validate and backfill deployments, the merge one triggered by checkpoint events.
 
-`serve_deployments(settings)` registers both deployments with the Prefect server named by
+- `mergeflow-merge-checkpoint/on-checkpoint`: one run per `mergeflow.checkpoint.saved` event.
+- `mergeflow-validate/validate`: re-check a published artifact (or a failed merge's kept staging).
+- `mergeflow-backfill/backfill`: no trigger, run on demand (`prefect deployment run
+  mergeflow-backfill/backfill --param train_dir=/checkpoints/run-a`, or the UI's form): exports
+  every complete, unpublished global_step_N of a training run with serve's settings, to the
+  targets the triggered merges use, so it catches up on steps saved while nothing was serving.
+
+`serve_deployments(settings)` registers the three deployments with the Prefect server named by
 PREFECT_API_URL and runs them in this process (Prefect's runner starts one subprocess per
-flow run). The same two deployments are declared in `deployments/prefect.yaml` for
+flow run). The same deployments are declared in `deployments/prefect.yaml` for
 `prefect deploy --all` onto a process work pool.
 """
 
@@ -30,6 +37,7 @@ from mergeflow.config import (
 )
 from mergeflow.errors import UsageError
 from mergeflow.events import EVENT_CHECKPOINT_SAVED, RESOURCE_PREFIX
+from mergeflow.flows.backfill_flow import backfill_flow
 from mergeflow.flows.checkpoint import format_with_checkpoint, merge_checkpoint_flow
 from mergeflow.flows.events import reachable_api_url
 from mergeflow.flows.run_feed import RunFeed
@@ -38,6 +46,7 @@ from mergeflow.io.jsonfiles import JsonObject
 
 MERGE_DEPLOYMENT = "on-checkpoint"
 VALIDATE_DEPLOYMENT = "validate"
+BACKFILL_DEPLOYMENT = "backfill"
 TRIGGER_NAME = "mergeflow-checkpoint-saved"
 # One parameter carries the whole payload: `{{ event.payload.<key> }}` for an optional key the
 # event lacks makes Prefect fail the trigger's action, so defaults are resolved in the flow.
@@ -90,6 +99,16 @@ class ServeSettings:
         """The merge deployment's default parameters (the trigger adds `checkpoint`)."""
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
+    def backfill_parameters(self) -> JsonObject:
+        """The backfill deployment's defaults: the merge's, less what only an event's merge uses.
+
+        A run supplies train_dir. No upload settings: `mergeflow backfill` publishes locally only.
+        """
+        merge = self.parameters()
+        keep = ("base_model", "target_root", "output_format", "dtype", "max_shard_size", "workers", "task_runner",
+                "dask_address", "checkpoint_roots")
+        return {k: merge[k] for k in keep}
+
 
 def _existing_dir(path: str, flag: str) -> str:
     resolved = Path(path).expanduser().resolve()
@@ -109,7 +128,7 @@ def checkpoint_trigger() -> DeploymentEventTrigger:
 
 
 def build_deployments(settings: ServeSettings) -> list[RunnerDeployment]:
-    """The merge deployment (with its event trigger) and the validate deployment."""
+    """The merge deployment (with its event trigger), the validate and the backfill deployments (run on demand)."""
     merge = merge_checkpoint_flow.to_deployment(
         name=MERGE_DEPLOYMENT,
         parameters=settings.parameters(),
@@ -125,17 +144,31 @@ def build_deployments(settings: ServeSettings) -> list[RunnerDeployment]:
         tags=["mergeflow"],
         entrypoint_type=EntrypointType.MODULE_PATH,
     )
-    return [merge, validate]
+    backfill = backfill_flow.to_deployment(
+        name=BACKFILL_DEPLOYMENT,
+        parameters=settings.backfill_parameters(),
+        description="Export every complete, unpublished global_step_N of a training run (train_dir), oldest first; "
+                    "run on demand.",
+        tags=["mergeflow"],
+        entrypoint_type=EntrypointType.MODULE_PATH,
+    )
+    return [merge, validate, backfill]
+
+
+def served_names() -> list[str]:
+    """`<flow>/<deployment>` of every deployment `serve` registers (what `prefect deployment run` takes)."""
+    return [f"{merge_checkpoint_flow.name}/{MERGE_DEPLOYMENT}", f"{validate_flow.name}/{VALIDATE_DEPLOYMENT}",
+            f"{backfill_flow.name}/{BACKFILL_DEPLOYMENT}"]
 
 
 def serve_deployments(settings: ServeSettings, *, limit: int | None = 1) -> None:
-    """Register both deployments and run their flow runs here until interrupted (blocks)."""
+    """Register the deployments and run their flow runs here until interrupted (blocks)."""
     from prefect import serve
 
     settings = settings.checked()
     # Without an API URL, serve would start a private temporary server no training job can reach.
     reachable_api_url()
-    feed = RunFeed([merge_checkpoint_flow.name, validate_flow.name])  # one line per run started and finished
+    feed = RunFeed([merge_checkpoint_flow.name, validate_flow.name, backfill_flow.name])  # one line per run started and finished
     feed.start()
     try:
         serve(*build_deployments(settings), limit=limit)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -64,6 +65,17 @@ class ModelMergerConfig:
     def __post_init__(self) -> None:
         if self.hf_model_config_path is None and self.local_dir is not None:
             self.hf_model_config_path = f"{self.local_dir.rstrip('/')}/huggingface"
+
+    def model_config_given(self) -> bool:
+        """True when --hf_model_config_path was passed, or its default `<local_dir>/huggingface` holds a config.
+
+        A verl checkpoint always has that default; a DCP has no config of its own, so without this the
+        base's is used.
+        """
+        default = f"{(self.local_dir or '').rstrip('/')}/huggingface"
+        if self.hf_model_config_path != default:
+            return self.hf_model_config_path is not None
+        return os.path.isfile(os.path.join(os.path.expanduser(default), "config.json"))
 
     def validate(self) -> None:
         """Refuse flag values that cannot work, before any file is touched."""

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Literal, Union
 
 from mergeflow.config import Dtype
-from mergeflow.formats.manifest import ArtifactType
+from mergeflow.formats.checkpoint_dir import CheckpointFormat
+from mergeflow.formats.manifest import VERL_CONFIG_PATH, ArtifactType
 from mergeflow.formats.rank_files import TensorEntry
 from mergeflow.io.fs import FileStamp
 from mergeflow.lora.plan import LoraSpec
@@ -56,14 +57,21 @@ class ExportOptions:
 
 @dataclass(frozen=True)
 class CheckpointInputs:
-    """The training checkpoint: where it is, its rank files, and the model config saved with it."""
+    """The training checkpoint: where it is, its files, and the model config it is exported with.
+
+    For a DCP, `rank_files` are the files the manifest hashes (`.metadata` and every `.distcp`), the
+    world size counts the `.distcp` files, and the model config is not part of the checkpoint: it
+    comes from --hf_model_config_path or the base (`config_logical_path` says which).
+    """
 
     actor_dir: str
     config_dir: str
     world_size: int
-    fsdp_version: int
+    fsdp_version: int  # 0 for a DCP: it does not record which FSDP wrote it
     rank_files: tuple[str, ...]
-    config_sha256: str  # huggingface/config.json, recorded in the manifest
+    config_sha256: str  # the model config, recorded in the manifest
+    format: CheckpointFormat = "verl"
+    config_logical_path: str = VERL_CONFIG_PATH  # the manifest's source_model_config.logical_path
 
 
 @dataclass(frozen=True)

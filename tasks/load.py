@@ -1,4 +1,4 @@
-"""The load-rank and hash-rank tasks: one rank file each, cached by the file's stamp."""
+"""The load-rank and hash-rank tasks: one checkpoint file each (a DCP's too, for hashing), cached by the file's stamp."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 from prefect import task
 
 from mergeflow.export.rank_index import hash_rank_file, index_rank_file
+from mergeflow.formats.checkpoint_dir import file_hasher
 from mergeflow.io.fs import FileStamp
 from mergeflow.records import MergePlan, RankIndex
 from mergeflow.tasks import RETRY_IO
@@ -47,4 +48,4 @@ def load_rank_shards(plan: MergePlan, rank: int) -> RankIndex:
 def hash_rank(plan: MergePlan, rank: int) -> str:
     """sha256 of one rank file for the manifest; runs beside the shard writers, not before them."""
     actor_dir, name = Path(plan.checkpoint.actor_dir), plan.checkpoint.rank_files[rank]
-    return hash_rank_file(actor_dir, name, plan.input_stamps.get(str(actor_dir / name)))
+    return hash_rank_file(actor_dir, name, plan.input_stamps.get(str(actor_dir / name)), file_hasher(plan.checkpoint.format))

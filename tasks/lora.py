@@ -8,24 +8,24 @@ from prefect.cache_policies import NO_CACHE
 from mergeflow.export.adapter_plan import lora_tensor_writes, plan_lora_export
 from mergeflow.export.adapter_writer import AdapterExport, write_adapter
 from mergeflow.lora.plan import LoraPlan
-from mergeflow.records import MergePlan, RankIndex, TensorWrite
+from mergeflow.records import MergePlan, TensorLayout, TensorWrite
 from mergeflow.tasks import RETRY_IO
 
 
 @task(name="plan-lora", task_run_name="plan-lora", cache_policy=NO_CACHE)
-def plan_lora(plan: MergePlan, indexes: list[RankIndex]) -> LoraPlan:
+def plan_lora(plan: MergePlan, layouts: dict[str, TensorLayout]) -> LoraPlan:
     """Validate every LoRA adapter (pairs, ranks, shapes, targets) and record what is fused or exported."""
-    return plan_lora_export(plan, indexes)
+    return plan_lora_export(plan, layouts)
 
 
 @task(name="plan-lora-writes", task_run_name="plan-lora-writes", cache_policy=NO_CACHE)
-def plan_lora_writes(plan: MergePlan, lora: LoraPlan, indexes: list[RankIndex]) -> list[TensorWrite]:
+def plan_lora_writes(plan: MergePlan, lora: LoraPlan, layouts: dict[str, TensorLayout]) -> list[TensorWrite]:
     """Plan the model's tensors of a LoRA export: base weights, fused where asked, checked against the base."""
-    return lora_tensor_writes(plan, lora, indexes)
+    return lora_tensor_writes(plan, lora, layouts)
 
 
 @task(name="write-lora-adapter", task_run_name="write-lora-adapter", **RETRY_IO, cache_policy=NO_CACHE)
-def write_lora_adapter(plan: MergePlan, lora: LoraPlan, indexes: list[RankIndex],
+def write_lora_adapter(plan: MergePlan, lora: LoraPlan, layouts: dict[str, TensorLayout],
                        rank_digests: dict[str, str]) -> AdapterExport:
     """Stream the selected adapter into lora_adapter/ with its PEFT (or Diffusers) config and manifest."""
-    return write_adapter(plan, lora, indexes, rank_digests)
+    return write_adapter(plan, lora, layouts, rank_digests)

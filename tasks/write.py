@@ -9,7 +9,7 @@ from typing import Any
 
 from prefect import task
 
-from mergeflow.export.reconstruct import RankStates
+from mergeflow.export.checkpoint_source import open_pieces
 from mergeflow.export.shard_writer import write_shard_file
 from mergeflow.io.staging import staged_file_state, staging_id
 from mergeflow.records import MergePlan, ShardPlan, ShardRecord
@@ -37,7 +37,7 @@ def _shard_cache_key(context: Any, parameters: Mapping[str, Any]) -> str:
 )
 def write_shard(plan: MergePlan, shard: ShardPlan) -> ShardRecord:
     """Reconstruct, verify and stream one output shard into the staging directory."""
-    states = RankStates(Path(plan.checkpoint.actor_dir), plan.checkpoint.rank_files, trust_checkpoint=plan.options.trust_checkpoint)
+    states = open_pieces(plan.checkpoint, trust_checkpoint=plan.options.trust_checkpoint)  # rank files or DCP chunks
     artifact_dir = Path(plan.output.tensor_dir)
     artifact_dir.mkdir(parents=True, exist_ok=True)
     work_dir = Path(plan.output.work_dir)

@@ -123,7 +123,7 @@ PLAIN_STAGES = {
     "lock": "mergeflow.io.fs.TargetLock.acquire",
     "target": "mergeflow.io.paths.check_target",
     "index": "mergeflow.export.rank_index.index_rank_file",
-    "reconstruct": "mergeflow.export.reconstruct.plan_tensor_writes",
+    "reconstruct": "mergeflow.export.layout.rank_layouts, then mergeflow.export.reconstruct.plan_tensor_writes",
     "write": "mergeflow.export.shard_writer.write_shard_file",
     "copy": "mergeflow.export.copy_files.copy_base_files",
     "hash": "mergeflow.export.rank_index.hash_rank_file",
@@ -171,6 +171,7 @@ def _plain_run_export(plan, run: PlainRun) -> dict[str, str]:  # type: ignore[no
     from mergeflow.export.shard_writer import pack_shards
     from mergeflow.io.paths import check_target
     from mergeflow.tasks.copy_components import copy_components
+    from mergeflow.tasks.layouts import combine_rank_layouts
     from mergeflow.tasks.load import hash_rank, load_rank_shards
     from mergeflow.tasks.publish import publish, write_metadata
     from mergeflow.tasks.reconstruct import plan_reconstruction
@@ -185,7 +186,7 @@ def _plain_run_export(plan, run: PlainRun) -> dict[str, str]:  # type: ignore[no
     run.stage = "index"
     indexes = [load_rank_shards.fn(plan, rank) for rank in ranks]
     run.stage = "reconstruct"
-    writes = plan_reconstruction.fn(plan, indexes)
+    writes = plan_reconstruction.fn(plan, combine_rank_layouts.fn(indexes))
     output = pack_shards(writes, plan.options.max_shard_size, plan.output.weights_name, plan.fingerprint)
     run.stage = "write"
     records = [write_shard.fn(plan, shard) for shard in output.shards]

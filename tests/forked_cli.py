@@ -12,7 +12,8 @@ no difference:
   under exactly the environment the command would have at that moment (the caller's environment
   plus the CLI's own pre-import defaults, `mergeflow.flows.cli.pre_import_environment`), and a
   command is forked only from a zygote whose environment equals that, apart from MERGEFLOW_*
-  variables, which mergeflow reads when it uses them.
+  variables, which mergeflow reads when it uses them, and pytest's PYTEST_CURRENT_TEST. The child
+  runs with exactly the command's environment.
 - A command that could start its own Prefect server (no PREFECT_API_URL), `--debug` (another
   console log level) and anything that is not `-m mergeflow` or a script in tests/ get a cold
   `subprocess.Popen`, as before.
@@ -217,8 +218,13 @@ def fork_commands_of(env: dict[str, str]) -> None:
         _FORKED_ENVIRONMENTS.add(_key(wanted))
 
 
+# Read by neither Prefect nor huggingface_hub at import: pytest rewrites PYTEST_CURRENT_TEST in every test
+# phase, so an environment captured at fixture setup would otherwise never equal a command's.
+_NOT_READ_AT_IMPORT = ("MERGEFLOW_", "PYTEST_CURRENT_TEST")
+
+
 def _key(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
-    return tuple(sorted((k, v) for k, v in env.items() if not k.startswith("MERGEFLOW_")))
+    return tuple(sorted((k, v) for k, v in env.items() if not k.startswith(_NOT_READ_AT_IMPORT)))
 
 
 def _import_environment(args: list[str], env: dict[str, str]) -> dict[str, str] | None:

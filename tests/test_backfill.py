@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 
 import forked_cli
+import pytest
 from builders import tree_digest
+from prefect_server import PrefectServer
 
 from mergeflow import merge_model
 from mergeflow.config import ModelMergerConfig
@@ -18,10 +22,20 @@ from mergeflow.demo.checkpoints import (
     save_base_transformer,
     save_fsdp_checkpoint,
 )
+from mergeflow.errors import ConfinementError, UsageError
 from mergeflow.flows.backfill_flow import backfill_flow
 from mergeflow.io.staging import staging_dirs_of
 
 CLASS = "FluxTransformer2DModel"
+
+
+@dataclass(frozen=True)
+class TrainingRun:
+    """A base, a verl run of three trained steps, and steps 1 and 2 published by merge_model: read-only, tests clone it."""
+
+    base_dir: Path
+    train: Path
+    published: Path  # published/global_step_<N>: what an export of step N must write, byte for byte
 
 
 def training_run(root: Path, steps: int = 3) -> tuple[Path, Path]:
@@ -41,6 +55,33 @@ def publish_step(base_dir: Path, train: Path, step: int, target: Path) -> None:
                                   target_dir=str(target), output_format="transformer"))
 
 
+@pytest.fixture(scope="module")
+def pristine_run(tmp_path_factory: pytest.TempPathFactory, prefect_server: PrefectServer) -> TrainingRun:
+    """Built and published once per module: the checkpoints and in-process merges were most of each test's time."""
+    root = tmp_path_factory.mktemp("backfill-run")
+    base_dir, train = training_run(root)
+    with prefect_server.activated():  # on the session's server; without it each merge would start a temporary one
+        for step in (1, 2):
+            publish_step(base_dir, train, step, root / "published" / f"global_step_{step}")
+    return TrainingRun(base_dir, train, root / "published")
+
+
+@pytest.fixture(scope="module")
+def cli_env(prefect_server: PrefectServer) -> dict[str, str]:
+    """The CLI's environment: the session server's, so its zygote forks every command (tests/forked_cli.py)."""
+    return {**prefect_server.client_env(), "HF_HUB_OFFLINE": "1"}
+
+
+def clone_run(run: TrainingRun, dest: Path, steps: tuple[int, ...], published: tuple[int, ...]) -> tuple[Path, Path]:
+    """dest/train holding `steps` of the run, dest/out/train holding the published `published`: (train, out)."""
+    train, out = dest / "train", dest / "out"
+    for step in steps:
+        shutil.copytree(run.train / f"global_step_{step}", train / f"global_step_{step}")
+    for step in published:
+        shutil.copytree(run.published / f"global_step_{step}", out / "train" / f"global_step_{step}")
+    return train, out
+
+
 def backfill_args(base_dir: Path, train: Path, out: Path) -> list[str]:
     return ["backfill", str(train), "--base_model", str(base_dir), "--target-root", str(out),
             "--output_format", "transformer", "--stable-seconds", "0"]
@@ -52,14 +93,13 @@ def step_lines(stdout: str) -> list[str]:
     return [line for line in lines if line.startswith("global_step_")]
 
 
-def test_backfill_exports_only_the_missing_complete_step_and_reruns_do_nothing(tmp_path: Path, prefect_server) -> None:  # type: ignore[no-untyped-def]
-    base_dir, train = training_run(tmp_path)
+def test_backfill_exports_only_the_missing_complete_step_and_reruns_do_nothing(
+        tmp_path: Path, pristine_run: TrainingRun, cli_env: dict[str, str]) -> None:
+    base_dir = pristine_run.base_dir
+    train, out = clone_run(pristine_run, tmp_path, steps=(1, 2, 3), published=(1,))
     (train / "global_step_3" / "actor" / "model_world_size_2_rank_1.pt").unlink()  # step 3 still being saved
-    out = tmp_path / "out"
-    publish_step(base_dir, train, 1, out / "train" / "global_step_1")
-    env = {**prefect_server.client_env(), "HF_HUB_OFFLINE": "1"}
 
-    first = forked_cli.mergeflow(backfill_args(base_dir, train, out), env)
+    first = forked_cli.mergeflow(backfill_args(base_dir, train, out), cli_env)
     assert first.returncode == 0, first.stderr[-2000:]
     lines = step_lines(first.stdout)
     assert [line.split(":")[0] for line in lines] == ["global_step_1", "global_step_2", "global_step_3"]
@@ -69,21 +109,22 @@ def test_backfill_exports_only_the_missing_complete_step_and_reruns_do_nothing(t
     assert sorted(p.name for p in (out / "train").iterdir()) == ["global_step_1", "global_step_2"]
     summary = json.loads(first.stdout.strip().splitlines()[-1])
     assert [s["status"] for s in summary["steps"]] == ["skipped", "done", "incomplete"]
+    # The step the CLI exported is the one merge_model publishes, byte for byte.
+    assert tree_digest(out / "train" / "global_step_2") == tree_digest(pristine_run.published / "global_step_2")
     published = tree_digest(out)
 
-    again = forked_cli.mergeflow(backfill_args(base_dir, train, out), env)
+    again = forked_cli.mergeflow(backfill_args(base_dir, train, out), cli_env)
     assert again.returncode == 0, again.stderr[-2000:]
     assert [line.split(" ")[1] for line in step_lines(again.stdout)] == ["skipped", "skipped", "incomplete"]
     assert tree_digest(out) == published
 
 
-def test_a_killed_backfill_resumes_its_staging(tmp_path: Path, prefect_server, prefect_api) -> None:  # type: ignore[no-untyped-def]
-    base_dir, train = training_run(tmp_path, steps=2)
-    out = tmp_path / "out"
-    publish_step(base_dir, train, 1, out / "train" / "global_step_1")
+def test_a_killed_backfill_resumes_its_staging(tmp_path: Path, pristine_run: TrainingRun, cli_env: dict[str, str],
+                                               prefect_api: PrefectServer) -> None:
+    base_dir = pristine_run.base_dir
+    train, out = clone_run(pristine_run, tmp_path, steps=(1, 2), published=(1,))
     target = out / "train" / "global_step_2"
-    env = {**prefect_server.client_env(), "HF_HUB_OFFLINE": "1", "MERGEFLOW_FAULT_KILL_AT_WRITE": "2"}
-    killed = forked_cli.mergeflow(backfill_args(base_dir, train, out), env)
+    killed = forked_cli.mergeflow(backfill_args(base_dir, train, out), {**cli_env, "MERGEFLOW_FAULT_KILL_AT_WRITE": "2"})
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert not target.exists() and len(staging_dirs_of(target)) == 1  # a shard written, then killed
 
@@ -93,5 +134,25 @@ def test_a_killed_backfill_resumes_its_staging(tmp_path: Path, prefect_server, p
     assert [(s["step"], s["status"], s["detail"]) for s in summary["steps"]] == [
         (1, "skipped", "already published"), (2, "done", "resumed")]
     assert staging_dirs_of(target) == []
-    publish_step(base_dir, train, 2, tmp_path / "reference")
-    assert tree_digest(target) == tree_digest(tmp_path / "reference")
+    assert tree_digest(target) == tree_digest(pristine_run.published / "global_step_2")
+
+
+def test_a_served_backfill_reads_and_writes_only_inside_its_roots(tmp_path: Path, pristine_run: TrainingRun,
+                                                                 prefect_api: PrefectServer) -> None:
+    """With checkpoint_roots (as `mergeflow serve` sets them) a run's form cannot point it elsewhere."""
+    train, out = clone_run(pristine_run, tmp_path, steps=(1,), published=())
+    out.mkdir()
+    inside = tmp_path / "checkpoints"
+    inside.mkdir()
+    common = {"base_model": str(pristine_run.base_dir), "target_root": str(out), "output_format": "transformer",
+              "stable_seconds": 0, "checkpoint_roots": [str(inside)]}
+    with pytest.raises(ConfinementError, match="outside every checkpoint root"):
+        backfill_flow(train_dir=str(train), **common)
+    # A step folder linked in from outside the root is refused before it is read.
+    (inside / "run").mkdir()
+    (inside / "run" / "global_step_1").symlink_to(train / "global_step_1")
+    with pytest.raises(ConfinementError, match="outside every checkpoint root"):
+        backfill_flow(train_dir=str(inside / "run"), **common)
+    with pytest.raises(UsageError, match="run_name '..' cannot name a directory"):
+        backfill_flow(train_dir=str(inside / "run"), run_name="..", **common)
+    assert list(out.iterdir()) == []  # nothing was written

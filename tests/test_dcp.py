@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import datetime
+import hashlib
+import json
 import os
 import pickle
 import shutil
@@ -10,24 +13,40 @@ from pathlib import Path
 
 import pytest
 import torch
+from builders import assert_bit_exact, output_state
 
 import mergeflow.errors as E
-from mergeflow.demo.checkpoints import build_transformer
+from mergeflow import validate_artifact
+from mergeflow.demo.checkpoints import build_transformer, save_base_transformer
 from mergeflow.export import dcp_source
 from mergeflow.formats import dcp
 from tests.fixtures.dcp_writers import DcpCheckpoint, write_dcp_checkpoint
 
 
+def _shared_dcp(tmp_path_factory: pytest.TempPathFactory, name: str, **kwargs: object) -> DcpCheckpoint:
+    """A DCP written once per test session: the xdist workers share the base temp dir's parent, and the
+    first to take the lock runs the gloo ranks (seconds); the others reuse what it wrote. Tests never
+    change it (they copy it first)."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    # Under xdist each worker's base temp is pytest-N/popen-gwK: its parent is this session's alone.
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared-dcp"
+    shared.mkdir(exist_ok=True)
+    with FileLock(str(shared / f"{name}.lock")):
+        return write_dcp_checkpoint(shared / name, **kwargs)  # type: ignore[arg-type]
+
+
 @pytest.fixture(scope="module")
 def accelerate_dcp(tmp_path_factory: pytest.TempPathFactory) -> DcpCheckpoint:
     """3 ranks (uneven and empty shards), keys prefixed "model." as accelerate's FSDP2 save writes them."""
-    return write_dcp_checkpoint(tmp_path_factory.mktemp("dcp3"), world_size=3, prefix="model.")
+    return _shared_dcp(tmp_path_factory, "dcp3", world_size=3, prefix="model.")
 
 
 @pytest.fixture(scope="module")
 def bf16_lora_dcp(tmp_path_factory: pytest.TempPathFactory) -> DcpCheckpoint:
     """2 ranks, bfloat16 weights, a PEFT model (base_model.model. prefix, base_layer + lora_A/B keys)."""
-    return write_dcp_checkpoint(tmp_path_factory.mktemp("dcp2"), world_size=2, dtype=torch.bfloat16, lora=True)
+    return _shared_dcp(tmp_path_factory, "dcp2", world_size=2, dtype=torch.bfloat16, lora=True)
 
 
 def _copy(ckpt: DcpCheckpoint, root: Path) -> Path:
@@ -52,7 +71,7 @@ def test_a_real_gloo_dcp_reads_back_bit_exact_with_uneven_and_empty_shards(accel
     parsed = _assert_reads_bit_exact(accelerate_dcp)
     assert parsed.files == (".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp")
     assert all(not name.startswith("model.") for name in parsed.tensors)  # accelerate's wrapper stripped
-    sizes = {t.layout.chunk_shapes for t in parsed.tensors.values() if len(t.chunks) == 3}
+    sizes = {t.chunk_shapes for t in parsed.tensors.values() if len(t.chunks) == 3}
     assert any(shapes[-1][0] == 0 for shapes in sizes), "the fixture must hold an empty trailing shard"
     assert any(len({s[0] for s in shapes}) > 1 for shapes in sizes), "the fixture must hold uneven shards"
     base = build_transformer(accelerate_dcp.class_name, seed=0)
@@ -66,13 +85,12 @@ def test_a_bf16_peft_dcp_reads_back_bit_exact(bf16_lora_dcp: DcpCheckpoint) -> N
     assert any(n.endswith(".base_layer.weight") for n in names)
     assert not any(n.startswith("base_model.") for n in names)
     # PEFT keeps adapters in float32 beside bf16 base weights (autocast_adapter_dtype): both kinds must read back
-    dtypes = {n: t.layout.dtype for n, t in parsed.tensors.items()}
+    dtypes = {n: t.dtype for n, t in parsed.tensors.items()}
     assert {d for n, d in dtypes.items() if "lora_" not in n} == {"bfloat16"}
     assert {d for n, d in dtypes.items() if "lora_" in n} == {"float32"}
 
 
 def test_source_files_hash_the_metadata_and_every_distcp(accelerate_dcp: DcpCheckpoint) -> None:
-    import hashlib
 
     parsed = dcp.open_dcp(accelerate_dcp.dcp_dir)
     digests = dcp.source_files(parsed)
@@ -216,3 +234,109 @@ def test_inspect_describes_a_dcp_from_its_metadata(bf16_lora_dcp: DcpCheckpoint)
     assert summary["lora_adapters"] == ["default"]
     assert summary["bytes"] == sum(t.numel() * t.element_size() for t in bf16_lora_dcp.trained.values())
     assert set(summary["dtypes"]) == {"bfloat16", "float32"}
+
+
+# --- merge: a DCP through the whole export, every output kind ---------------------------------------------
+
+
+def _merge(ckpt: DcpCheckpoint, target: Path, **overrides: object) -> tuple[Path, dict]:
+    from mergeflow import merge_model
+    from mergeflow.config import ModelMergerConfig
+
+    values: dict[str, object] = dict(operation="merge", local_dir=str(ckpt.dcp_dir), base_model=str(ckpt.base_dir),
+                                     target_dir=str(target), output_format="transformer")
+    values.update(overrides)
+    result = merge_model(ModelMergerConfig(**values))
+    out = Path(result.output_dir)
+    return out, json.loads((out / "merge_manifest.json").read_text())
+
+
+def _digests(directory: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
+
+
+def test_a_dcp_merges_into_a_transformer_bit_exact_with_its_files_in_the_manifest(
+        tmp_path: Path, prefect_api: object, accelerate_dcp: DcpCheckpoint) -> None:
+    import diffusers
+
+    out, manifest = _merge(accelerate_dcp, tmp_path / "out")
+    expected = {dcp.model_name(k): v for k, v in accelerate_dcp.trained.items()}
+    assert_bit_exact(expected, output_state(out))
+    assert manifest["source_files"] == _digests(accelerate_dcp.dcp_dir)  # .metadata and every .distcp, nothing else
+    assert set(manifest["source_files"]) == {".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"}
+    base_config = accelerate_dcp.base_dir / "config.json"
+    assert manifest["source_model_config"] == {"logical_path": "base_model/config.json",
+                                               "sha256": hashlib.sha256(base_config.read_bytes()).hexdigest()}
+    assert manifest["checkpoint"] == {"layout": "dcp", "world_size": 3}
+    assert validate_artifact(out) == {"integrity": "passed", "architecture": accelerate_dcp.class_name}
+    loaded = getattr(diffusers, accelerate_dcp.class_name).from_pretrained(out, local_files_only=True)
+    assert_bit_exact(expected, {k: v.detach() for k, v in loaded.state_dict().items()})
+
+
+def test_a_dcp_merges_into_a_sharded_bf16_pipeline_with_the_flag_s_config(
+        tmp_path: Path, prefect_api: object, accelerate_dcp: DcpCheckpoint) -> None:
+    from tests.fixtures.pipelines_image import build_flux_pipeline
+
+    base = build_flux_pipeline(tmp_path / "pipeline", build_transformer(accelerate_dcp.class_name, seed=0))
+    config_dir = tmp_path / "model_config"
+    config_dir.mkdir()
+    shutil.copy(base / "transformer" / "config.json", config_dir / "config.json")
+    out, manifest = _merge(accelerate_dcp, tmp_path / "out", base_model=str(base), output_format="pipeline",
+                           dtype="bfloat16", max_shard_size=4096, hf_model_config_path=str(config_dir))
+    expected = {dcp.model_name(k): v.to(torch.bfloat16) for k, v in accelerate_dcp.trained.items()}
+    shards = sorted((out / "transformer").glob("*.safetensors"))
+    assert len(shards) > 1 and (out / "transformer" / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    assert_bit_exact(expected, output_state(out / "transformer"))
+    assert manifest["source_model_config"]["logical_path"] == "hf_model_config_path/config.json"
+    assert manifest["artifact_type"] == "diffusers_pipeline" and manifest["dtype"] == "bfloat16"
+    assert validate_artifact(out)["integrity"] == "passed"
+    for copied in ("vae", "text_encoder", "scheduler"):  # the rest of the pipeline is the base's, byte for byte
+        assert _digests(out / copied) == _digests(base / copied)
+
+
+def test_a_peft_dcp_exports_its_adapter_and_fuses_it(
+        tmp_path: Path, prefect_api: object, bf16_lora_dcp: DcpCheckpoint) -> None:
+    from peft import PeftModel
+
+    assert bf16_lora_dcp.peft is not None and bf16_lora_dcp.adapter_config is not None
+    with pytest.raises(E.LoraError, match="pass --adapter-config PATH"):  # a DCP carries no r / lora_alpha
+        _merge(bf16_lora_dcp, tmp_path / "refused", fuse_lora=True)
+    assert not (tmp_path / "refused").exists()
+    config = str(bf16_lora_dcp.adapter_config)
+    fused_out, fused = _merge(bf16_lora_dcp, tmp_path / "fused", fuse_lora=True, adapter_config=config)
+    exact = copy.deepcopy(bf16_lora_dcp.peft).to(torch.float32).merge_and_unload(adapter_names=["default"]).state_dict()
+    ours = output_state(fused_out)
+    assert {v.dtype for v in ours.values()} == {torch.bfloat16}
+    assert_bit_exact({k: v.to(torch.bfloat16) for k, v in exact.items()}, ours)  # float32 math, rounded once
+    assert fused["lora_fusion"]["r"] == 2 and fused["lora_fusion"]["lora_alpha"] == 4
+    assert "lora_train_meta.json" not in fused["source_files"]
+    assert validate_artifact(fused_out)["integrity"] == "passed"
+    adapter_out, _ = _merge(bf16_lora_dcp, tmp_path / "adapter", adapter_config=config)
+    base = build_transformer(bf16_lora_dcp.class_name, seed=0, dtype=torch.bfloat16)
+    loaded = PeftModel.from_pretrained(base, str(adapter_out / "lora_adapter"))
+    trained = {k: v for k, v in bf16_lora_dcp.peft.state_dict().items() if "lora_" in k}
+    got = {k: v for k, v in loaded.state_dict().items() if "lora_" in k}
+    assert_bit_exact(trained, got)
+    assert validate_artifact(adapter_out)["integrity"] == "passed"
+
+
+def test_the_cli_merges_and_tests_a_dcp_and_refuses_a_foreign_base_in_one_line(
+        tmp_path: Path, prefect_server: object, accelerate_dcp: DcpCheckpoint) -> None:
+    import forked_cli
+
+    env = {**prefect_server.client_env(), "HF_HUB_OFFLINE": "1"}  # type: ignore[attr-defined]
+    args = ["merge", "--backend", "fsdp", "--local_dir", str(accelerate_dcp.dcp_dir), "--output_format", "transformer"]
+    done = forked_cli.mergeflow([*args, "--base_model", str(accelerate_dcp.base_dir), "--target_dir", str(tmp_path / "out")], env)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1])["output_dir"] == str(tmp_path / "out")
+    tested = forked_cli.mergeflow(["test", "--backend", "fsdp", "--local_dir", str(accelerate_dcp.dcp_dir),
+                                   "--test_hf_dir", str(tmp_path / "out")], env)
+    assert tested.returncode == 0, tested.stderr
+    other = save_base_transformer(build_transformer("SD3Transformer2DModel", seed=0), tmp_path / "sd3")
+    refused = forked_cli.mergeflow([*args, "--base_model", str(other), "--target_dir", str(tmp_path / "no")], env)
+    lines = [line for line in refused.stderr.splitlines() if line.strip()]
+    # the flow run's UI link, then one error line: the model config is the base's, so the keys tell
+    errors = [line for line in lines if line.startswith("mergeflow: error:")]
+    assert refused.returncode == 2 and all(line.startswith("mergeflow: ") for line in lines), refused.stderr
+    assert len(errors) == 1 and "the checkpoint lacks" in errors[0] and lines[-1] == errors[0], refused.stderr
+    assert not (tmp_path / "no").exists()

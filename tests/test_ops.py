@@ -239,18 +239,24 @@ def test_prefect_yaml_entrypoints_and_trigger_match_the_served_ones() -> None:
     from prefect.flows import load_flow_from_entrypoint
 
     from mergeflow.flows.serve import (
+        BACKFILL_DEPLOYMENT,
         MERGE_DEPLOYMENT,
         TRIGGER_NAME,
         TRIGGER_PARAMETERS,
         VALIDATE_DEPLOYMENT,
+        served_names,
     )
 
     spec = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
     deployments = {d["name"]: d for d in spec["deployments"]}
-    assert set(deployments) == {MERGE_DEPLOYMENT, VALIDATE_DEPLOYMENT}
-    merge = load_flow_from_entrypoint(deployments[MERGE_DEPLOYMENT]["entrypoint"], use_placeholder_flow=False)
-    validate = load_flow_from_entrypoint(deployments[VALIDATE_DEPLOYMENT]["entrypoint"], use_placeholder_flow=False)
-    assert (merge.name, validate.name) == ("mergeflow-merge-checkpoint", "mergeflow-validate")
+    assert set(deployments) == {MERGE_DEPLOYMENT, VALIDATE_DEPLOYMENT, BACKFILL_DEPLOYMENT}
+    merge, validate, backfill = (load_flow_from_entrypoint(deployments[name]["entrypoint"], use_placeholder_flow=False)
+                                 for name in (MERGE_DEPLOYMENT, VALIDATE_DEPLOYMENT, BACKFILL_DEPLOYMENT))
+    assert (merge.name, validate.name, backfill.name) == ("mergeflow-merge-checkpoint", "mergeflow-validate", "mergeflow-backfill")
+    assert [f"{f.name}/{name}" for f, name in ((merge, MERGE_DEPLOYMENT), (validate, VALIDATE_DEPLOYMENT),
+                                               (backfill, BACKFILL_DEPLOYMENT))] == served_names()
+    assert set(deployments[BACKFILL_DEPLOYMENT]["parameters"]) <= set(backfill.parameters.properties)
+    assert not deployments[BACKFILL_DEPLOYMENT].get("triggers")  # run on demand only
     assert set(deployments[MERGE_DEPLOYMENT]["parameters"]) <= set(merge.parameters.properties)
     (trigger,) = deployments[MERGE_DEPLOYMENT]["triggers"]
     assert trigger["name"] == TRIGGER_NAME and trigger["parameters"] == TRIGGER_PARAMETERS

@@ -33,9 +33,7 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Export:
 @pytest.fixture()
 def ex(source: Export, tmp_path: Path) -> Export:
     """A private copy of the tiny export, free to damage."""
-    shutil.copytree(source.root / "base", tmp_path / "base")
-    shutil.copytree(source.root / "ckpt", tmp_path / "ckpt")
-    return Export(tmp_path, tmp_path / source.actor_dir.relative_to(source.root), tmp_path / "base", source.actor, source.class_name)
+    return _private_copy(source, tmp_path)
 
 
 def refusal_env(home: Path) -> dict[str, str]:
@@ -93,6 +91,16 @@ def _fuse_lora_without_lora(ex: Export) -> list[str]:
     return [*merge_args(ex, ex.root / "out"), "--fuse-lora"]
 
 
+def _dcp_without_a_model_config(ex: Export) -> list[str]:
+    # A DCP (accelerate's pytorch_model_fsdp_0/) carries no config, and a Hub-named base has none here either:
+    # refused from the listing alone, without reading .metadata (a pickle: torch would be imported).
+    dcp_dir = ex.root / "pytorch_model_fsdp_0"
+    dcp_dir.mkdir()
+    (dcp_dir / ".metadata").write_bytes(b"not read by the pre-flight")
+    (dcp_dir / "__0_0.distcp").write_bytes(b"")
+    return merge_args(ex, ex.root / "out", **{"--local_dir": str(dcp_dir), "--base_model": "tiny-org/flux"})
+
+
 REFUSALS: dict[str, tuple[Callable[[Export], list[str]], str]] = {
     "missing-local-dir": (_missing_local_dir, "is not a directory"),
     "existing-target": (_existing_target, "already exists"),
@@ -103,45 +111,65 @@ REFUSALS: dict[str, tuple[Callable[[Export], list[str]], str]] = {
     "unknown-pipeline-class": (_unknown_pipeline_class, "unknown pipeline class"),
     "pipeline-output-needs-pipeline-base": (_pipeline_output_of_a_transformer_base, "needs a base pipeline"),
     "fuse-lora-without-lora": (_fuse_lora_without_lora, "--fuse-lora"),
+    "dcp-without-a-model-config": (_dcp_without_a_model_config, "a DCP checkpoint carries no model config"),
 }
 
 
-@pytest.mark.parametrize("case", list(REFUSALS))
-def test_refusal_answers_without_prefect(ex: Export, tmp_path: Path, case: str) -> None:
-    damage, message = REFUSALS[case]
-    args = damage(ex)
-    home = tmp_path / "prefect-home"
-    proc = subprocess.run([sys.executable, "-m", "mergeflow", *args], env=refusal_env(home), cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stdout == ""
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("mergeflow: error:"), proc.stderr
-    assert message in lines[0], lines[0]
-    assert not (ex.root / "out").exists()
-    assert not (home / "mergeflow-server.json").exists(), "a background server was started"
-
-
+# Every refusal in one fresh interpreter (a cold start per case would cost seconds each): each case runs the
+# CLI's `main` on its own damaged copy with stdout and stderr captured, and reports what was imported after it.
 _HARNESS = """
-import json, sys
+import contextlib, io, json, sys
 from mergeflow.flows.cli import main
-code = main(sys.argv[1:])
-print(json.dumps({"code": code, "loaded": sorted(m for m in ("torch", "prefect", "diffusers") if m in sys.modules)}))
+report = {}
+for name, args in json.loads(sys.argv[1]).items():
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(args)
+        except SystemExit as exc:  # argparse's own refusals
+            code = exc.code
+    loaded = sorted(m for m in ("torch", "prefect", "diffusers") if m in sys.modules)
+    report[name] = {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue(), "loaded": loaded}
+print(json.dumps(report))
 """
 
 
-@pytest.mark.parametrize("case", ["missing-rank-file", "unknown-class", "existing-target"])
-def test_refusal_imports_no_torch_prefect_or_diffusers(ex: Export, tmp_path: Path, case: str) -> None:
-    args = REFUSALS[case][0](ex)
-    proc = subprocess.run([sys.executable, "-c", _HARNESS, *args], env=refusal_env(tmp_path / "home"), cwd=REPO,
+def _private_copy(source: Export, root: Path) -> Export:
+    """A private copy of the tiny export, free to damage."""
+    shutil.copytree(source.root / "base", root / "base")
+    shutil.copytree(source.root / "ckpt", root / "ckpt")
+    return Export(root, root / source.actor_dir.relative_to(source.root), root / "base", source.actor, source.class_name)
+
+
+def test_every_refusal_answers_in_one_line_without_prefect_torch_or_diffusers(source: Export, tmp_path: Path) -> None:
+    copies = {case: _private_copy(source, tmp_path / case) for case in REFUSALS}
+    cases = {case: REFUSALS[case][0](copy) for case, copy in copies.items()}
+    cases["bad-flag-value"] = merge_args(copies["existing-target"], tmp_path / "out", **{"--dtype": "int4"})
+    home = tmp_path / "prefect-home"
+    proc = subprocess.run([sys.executable, "-c", _HARNESS, json.dumps(cases)], env=refusal_env(home), cwd=REPO,
                           capture_output=True, text=True, timeout=120)
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"code": 2, "loaded": []}, proc.stderr
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr  # nothing reached the real stderr past the captures
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    for case, (_, message) in REFUSALS.items():
+        got = report[case]
+        lines = [line for line in got["stderr"].splitlines() if line.strip()]
+        assert got["code"] == 2 and got["stdout"] == "", (case, got)
+        assert len(lines) == 1 and lines[0].startswith("mergeflow: error:") and message in lines[0], (case, got)
+        assert got["loaded"] == [], (case, got)  # cumulative: no refusal so far imported any of them
+        assert not (copies[case].root / "out").exists(), case
+    assert report["bad-flag-value"]["code"] == 2 and "invalid choice" in report["bad-flag-value"]["stderr"]
+    assert not (home / "mergeflow-server.json").exists(), "a background server was started"
 
 
-def test_bad_flag_value_is_refused_by_argparse_alone(ex: Export, tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-c", _HARNESS, *merge_args(ex, tmp_path / "out", **{"--dtype": "int4"})],
-                          env=refusal_env(tmp_path / "home"), cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "invalid choice" in proc.stderr
+def test_a_refusal_through_python_m_mergeflow_is_exit_2_and_one_line(ex: Export, tmp_path: Path) -> None:
+    """The real entry point users type, once: its exit status and streams, in a process of its own."""
+    home = tmp_path / "prefect-home"
+    proc = subprocess.run([sys.executable, "-m", "mergeflow", *_existing_target(ex)], env=refusal_env(home), cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and proc.stdout == "" and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("mergeflow: error:") and "already exists" in lines[0]
+    assert not (home / "mergeflow-server.json").exists()
 
 
 def test_preflight_accepts_a_good_export(ex: Export) -> None:

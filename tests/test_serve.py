@@ -1,4 +1,4 @@
-"""Served deployments on a real Prefect server: an event (direct or from the watcher) becomes a merge."""
+"""Served deployments on a real Prefect server: an event (direct or from the watcher) becomes a merge; a backfill run catches up."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from builders import assert_bit_exact, make_export, output_state
+from builders import assert_bit_exact, make_export, output_state, tree_digest
 from prefect_runs import flow_runs
 
 from mergeflow import validate_artifact
@@ -24,6 +24,7 @@ from mergeflow import validate_artifact
 REPO = Path(__file__).resolve().parent.parent
 MERGE = "mergeflow-merge-checkpoint/on-checkpoint"
 VALIDATE = "mergeflow-validate/validate"
+BACKFILL = "mergeflow-backfill/backfill"
 
 
 async def _deployment_ready(name: str) -> Any:
@@ -84,6 +85,7 @@ def served(tmp_path: Path, prefect_server: Any, prefect_api: Any) -> Iterator[di
     try:
         deployment = wait_for(lambda: asyncio.run(_deployment_ready(MERGE)), 120, "the served deployments", proc, log)
         wait_for(lambda: asyncio.run(_deployment_ready(VALIDATE)), 30, "the validate deployment", proc, log)
+        wait_for(lambda: asyncio.run(_deployment_ready(BACKFILL)), 30, "the backfill deployment", proc, log)
         yield {"export": ex, "root": root, "deployment": deployment, "proc": proc, "log": log}
     finally:
         _stop_group(proc)
@@ -107,7 +109,17 @@ def copy_slowly(src: Path, dst: Path) -> None:
     (dst.parent.parent / "latest_checkpointed_iteration.txt").write_text(dst.parent.name.removeprefix("global_step_"))
 
 
-def test_event_and_watcher_start_merges_and_validate_runs_alone(tmp_path: Path, served: dict[str, Any]) -> None:
+async def _served_backfill() -> tuple[Any, list[Any]]:
+    """The backfill deployment as serve registered it, and the automations that would start it (none)."""
+    from prefect.client.orchestration import get_client
+
+    async with get_client() as client:
+        deployment = await client.read_deployment_by_name(BACKFILL)
+        automations = await client.read_automations()
+    return deployment, [a for a in automations if any(getattr(x, "deployment_id", None) == deployment.id for x in a.actions)]
+
+
+def test_event_and_watcher_start_merges_validate_and_backfill_run_alone(tmp_path: Path, served: dict[str, Any]) -> None:
     from prefect.deployments import run_deployment
 
     from mergeflow.events import checkpoint_saved
@@ -145,10 +157,37 @@ def test_event_and_watcher_start_merges_and_validate_runs_alone(tmp_path: Path, 
     assert validate_artifact(root / "run-b" / "global_step_2")["integrity"] == "passed"
     assert len(flow_runs(deployment_id=deployment.id)) == 2  # exactly one run per checkpoint
 
+    # 4. The backfill deployment: registered with serve's settings and a typed form, started by nothing
+    # but a run request; it exports the step saved while nothing watched and leaves the published one.
+    backfill, automations = asyncio.run(_served_backfill())
+    assert automations == []
+    assert backfill.parameters["target_root"] == str(root) and backfill.parameters["checkpoint_roots"] == [str(tmp_path)]
+    assert backfill.parameters["output_format"] == "transformer" and backfill.parameters["max_shard_size"] == 60000
+    props = backfill.parameter_openapi_schema["properties"]
+    assert backfill.parameter_openapi_schema["required"] == ["train_dir", "base_model", "target_root"]
+    assert props["output_format"]["enum"] == ["pipeline", "transformer"] and props["task_runner"]["enum"] == ["thread", "dask"]
+    assert props["stable_seconds"]["type"] == "number" and "global_step_<N>" in props["train_dir"]["description"]
+    shutil.copytree(ex.actor_dir, train / "global_step_3" / "actor")
+    (train / "latest_checkpointed_iteration.txt").write_text("3")
+    published = tree_digest(root / "run-b" / "global_step_2")
+    run = run_deployment(BACKFILL, parameters={"train_dir": str(train), "stable_seconds": 0}, timeout=240, poll_interval=1)
+    assert run.state is not None and run.state.is_completed(), (run.state, served["log"].read_text(errors="replace")[-3000:])
+    assert run.name == "backfill-run-b"
+    step3 = root / "run-b" / "global_step_3"
+    assert_bit_exact(ex.actor.state_dict(), output_state(step3))
+    assert validate_artifact(step3)["integrity"] == "passed"
+    # Written as serve's triggered merge of the same checkpoint was (its --max_shard_size, its format).
+    assert sorted(p.name for p in step3.iterdir()) == sorted(p.name for p in (root / "run-b" / "global_step_2").iterdir())
+    assert len(list(step3.glob("*.safetensors"))) > 1
+    assert tree_digest(root / "run-b" / "global_step_2") == published  # skipped, untouched
+    assert len(flow_runs(deployment_id=deployment.id)) == 2  # the backfill started no triggered merge
+
 
 def test_prefect_yaml_deploys_with_prefect_deploy_all(tmp_path: Path, prefect_server: Any, prefect_api: Any) -> None:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
+
+    from mergeflow.flows.serve import ServeSettings
 
     async def create_pool() -> None:
         async with get_client() as client:
@@ -161,18 +200,27 @@ def test_prefect_yaml_deploys_with_prefect_deploy_all(tmp_path: Path, prefect_se
                            "deployments/prefect.yaml"], cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
-    async def read() -> tuple[Any, Any, list[Any]]:
+    async def read() -> tuple[Any, Any, Any, list[Any], list[Any]]:
         async with get_client() as client:
             merge = await client.read_deployment_by_name(MERGE)
             validate = await client.read_deployment_by_name(VALIDATE)
-            automations = await client.read_automations_by_name("mergeflow-checkpoint-saved")
+            backfill = await client.read_deployment_by_name(BACKFILL)
+            automations = await client.read_automations()
             owned = [a for a in automations if any(getattr(x, "deployment_id", None) == merge.id for x in a.actions)]
-            for deployment in (merge, validate):  # leave the session's server as we found it
+            backfill_owned = [a for a in automations if any(getattr(x, "deployment_id", None) == backfill.id for x in a.actions)]
+            for deployment in (merge, validate, backfill):  # leave the session's server as we found it
                 await client.delete_deployment(deployment.id)
-            return merge, validate, owned
+            return merge, validate, backfill, owned, backfill_owned
 
-    merge, validate, automations = asyncio.run(read())
-    assert merge.work_pool_name == "mergeflow" and validate.work_pool_name == "mergeflow"
+    merge, validate, backfill, automations, backfill_automations = asyncio.run(read())
+    assert {merge.work_pool_name, validate.work_pool_name, backfill.work_pool_name} == {"mergeflow"}
+    # The backfill deployment: the flow serve serves, serve's parameter names, run on demand only.
+    assert backfill.entrypoint == "mergeflow.flows.backfill_flow.backfill_flow" and backfill_automations == []
+    assert backfill.parameters["checkpoint_roots"] == ["/checkpoints"] and backfill.parameters["target_root"] == "/exports"
+    assert backfill.parameters["base_model"] == "/models/base"
+    served = ServeSettings(base_model="/b", target_root="/t", checkpoint_roots=("/c",)).backfill_parameters()
+    assert set(backfill.parameters) <= set(served), set(backfill.parameters) - set(served)
+    assert backfill.parameter_openapi_schema["properties"]["dtype"]["enum"] == ["preserve", "float32", "float16", "bfloat16"]
     assert merge.entrypoint == "mergeflow.flows.checkpoint.merge_checkpoint_flow"
     assert merge.parameters["base_model"] == "/models/base" and merge.parameters["target_root"] == "/exports"
     assert merge.parameters["checkpoint_roots"] == ["/checkpoints"] and merge.parameters["allowed_base_models"] == []

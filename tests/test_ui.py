@@ -148,7 +148,7 @@ def test_deployment_forms_are_typed(tmp_path: Path, prefect_api: object) -> None
                 deployment.name = f"{deployment.name}-ui-{suffix}"  # never the names a served test waits for
                 deployment.triggers = []  # no automation left behind on the session's server
                 ids.append(deployment.apply())
-            merge, validate = (client.read_deployment(i) for i in ids)
+            merge, validate, backfill = (client.read_deployment(i) for i in ids)
         finally:
             for i in ids:
                 client.delete_deployment(i)
@@ -156,6 +156,15 @@ def test_deployment_forms_are_typed(tmp_path: Path, prefect_api: object) -> None
     assert stored["properties"]["dtype"]["enum"] == props["dtype"]["enum"]
     assert stored["definitions"]["CheckpointPayload"]["properties"]["step"]["description"]
     assert validate.parameter_openapi_schema["properties"]["test_hf_dir"]["description"]
+    # The backfill form: the same choices as the merge's, every field described, train_dir the one to fill in.
+    backfill_schema = backfill.parameter_openapi_schema
+    backfill_props = backfill_schema["properties"]
+    assert backfill_schema["required"] == ["train_dir", "base_model", "target_root"]
+    assert set(backfill.parameters) == {"base_model", "target_root", "output_format", "dtype", "max_shard_size", "workers",
+                                        "task_runner", "dask_address", "checkpoint_roots"}
+    assert all(backfill_props[k]["enum"] == props[k]["enum"] for k in ("output_format", "dtype", "task_runner"))
+    assert (backfill_props["max_shard_size"]["type"], backfill_props["stable_seconds"]["type"]) == ("integer", "number")
+    assert all(p.get("description") for p in backfill_props.values()), [k for k, p in backfill_props.items() if not p.get("description")]
 
 
 def test_the_serve_feed_prints_one_line_per_run_started_and_finished() -> None:

@@ -112,3 +112,31 @@ def test_a_lora_adapter_export_is_exempt(tmp_path: Path, prefect_api: object, la
     result = merge_model(ck.config(tmp_path / "out"))
     manifests = list(Path(result.output_dir).rglob(MANIFEST_NAME))
     assert manifests and all(MANIFEST_FIELD not in json.loads(m.read_text()) for m in manifests)
+
+
+def test_a_fused_lora_export_samples_its_fused_weights_and_an_untrained_lora_is_refused(
+        tmp_path: Path, prefect_api: object) -> None:
+    make = lambda name: LoraConfig(r=4, lora_alpha=8, target_modules=ATTN_TARGETS)  # noqa: E731
+    ck = build_lora_checkpoint(tmp_path / "trained", CLASS, make, world_size=1)
+    out = Path(merge_model(ck.config(tmp_path / "trained" / "out", fuse_lora=True)).output_dir)
+    manifest = manifest_of(out)
+    # A LoRA run leaves every frozen weight equal to the base: sampling the first tensor by name (a frozen one)
+    # would read the whole base on every fused export. The fused weights are sampled instead, and differ.
+    assert MANIFEST_FIELD not in manifest
+    fused = frozenset(f"{module}.weight" for module in manifest["lora_fusion"]["fused_modules"])
+    names = sorted(manifest["tensors"])
+    assert names[0] not in fused  # the old sample would have matched the base
+    check = measure_unchanged(out, [("diffusion_pytorch_model.safetensors", names)], ck.base_dir,
+                              "diffusion_pytorch_model.safetensors", fused)
+    assert check.sampled == check.compared == 1 and check.differing is None
+
+    def untrained(model) -> None:  # noqa: ANN001 - lora_B all zero: the fused weights are the base's
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.zero_()
+
+    zero = build_lora_checkpoint(tmp_path / "zero", CLASS, make, world_size=1, mutate=untrained)
+    with pytest.raises(UnchangedWeightsError, match="pass --allow-unchanged"):
+        merge_model(zero.config(tmp_path / "zero" / "out", fuse_lora=True))
+    assert not (tmp_path / "zero" / "out").exists()

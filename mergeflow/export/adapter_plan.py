@@ -7,7 +7,6 @@ from dataclasses import replace
 from pathlib import Path
 
 from mergeflow.errors import BaseModelError, LoraError
-from mergeflow.export.layout import rank_layouts
 from mergeflow.export.reconstruct import check_coverage, output_dtype
 from mergeflow.formats.weight_index import read_weight_headers
 from mergeflow.io.jsonfiles import JsonObject
@@ -35,19 +34,17 @@ from mergeflow.records import (
     CheckpointSource,
     LoraFuse,
     MergePlan,
-    RankIndex,
     TensorLayout,
     TensorWrite,
     Transform,
 )
 
 
-def plan_lora_export(plan: MergePlan, indexes: list[RankIndex]) -> LoraPlan:
+def plan_lora_export(plan: MergePlan, layouts: dict[str, TensorLayout]) -> LoraPlan:
     """Validate every adapter of the checkpoint against the model and fix what is fused or exported."""
     if plan.lora is None:
         raise LoraError("plan_lora called for a checkpoint without LoRA")
     spec = plan.lora
-    layouts = rank_layouts(indexes)
     keys = list(layouts)
     shapes = {key: layout.shape for key, layout in layouts.items()}
     grouped = group_adapters(keys)
@@ -104,10 +101,9 @@ def _fusion_transforms(lora: LoraPlan, layouts: dict[str, TensorLayout]) -> dict
     return transforms
 
 
-def lora_tensor_writes(plan: MergePlan, lora: LoraPlan, indexes: list[RankIndex]) -> list[TensorWrite]:
+def lora_tensor_writes(plan: MergePlan, lora: LoraPlan, layouts: dict[str, TensorLayout]) -> list[TensorWrite]:
     """The model's tensors: frozen weights with adapters stripped, fused where --fuse-lora asks."""
     spec = plan.lora
-    layouts = rank_layouts(indexes)
     policy, keep = plan.options.dtype, plan.output.keep_fp32
 
     transforms = _fusion_transforms(lora, layouts) if lora.fuse else {}

@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from mergeflow.export.layout import rank_layouts
+from mergeflow.export.checkpoint_source import open_pieces
 from mergeflow.export.lora_detect import adapter_weights_name
 from mergeflow.export.publish import build_manifest
-from mergeflow.export.reconstruct import RankStates, output_dtype
+from mergeflow.export.reconstruct import output_dtype
 from mergeflow.export.shard_writer import HEADER_METADATA, write_shard_file
 from mergeflow.formats.manifest import MANIFEST_NAME, fingerprint
 from mergeflow.formats.safetensors_format import nbytes
@@ -27,9 +27,9 @@ from mergeflow.lora.plan import (
 from mergeflow.records import (
     FileRecord,
     MergePlan,
-    RankIndex,
     ShardPlan,
     ShardRecord,
+    TensorLayout,
     TensorWrite,
 )
 
@@ -48,8 +48,7 @@ class AdapterExport:
     shard: ShardRecord
 
 
-def _adapter_shard(plan: MergePlan, lora: LoraPlan, indexes: list[RankIndex]) -> ShardPlan:
-    layouts = rank_layouts(indexes)
+def _adapter_shard(plan: MergePlan, lora: LoraPlan, layouts: dict[str, TensorLayout]) -> ShardPlan:
     policy, keep = plan.options.dtype, plan.output.keep_fp32
     writes = tuple(
         TensorWrite(out, src, layouts[src], output_dtype(out, layouts[src].dtype, policy, keep))
@@ -90,14 +89,15 @@ def _adapter_manifest(plan: MergePlan, lora: LoraPlan, rank_digests: dict[str, s
     return manifest
 
 
-def write_adapter(plan: MergePlan, lora: LoraPlan, indexes: list[RankIndex], rank_digests: dict[str, str]) -> AdapterExport:
+def write_adapter(plan: MergePlan, lora: LoraPlan, layouts: dict[str, TensorLayout],
+                  rank_digests: dict[str, str]) -> AdapterExport:
     """Write `lora_adapter/`: weights (streamed, round-trip verified), adapter_config.json, its manifest."""
     out_dir = adapter_dir(plan)
     out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(plan.output.work_dir) / ADAPTER_DIR
     work.mkdir(parents=True, exist_ok=True)
-    states = RankStates(Path(plan.checkpoint.actor_dir), plan.checkpoint.rank_files, trust_checkpoint=plan.options.trust_checkpoint)
-    shard = _adapter_shard(plan, lora, indexes)
+    states = open_pieces(plan.checkpoint, trust_checkpoint=plan.options.trust_checkpoint)
+    shard = _adapter_shard(plan, lora, layouts)
     record = write_shard_file(shard, states, out_dir, work)
     files: list[FileRecord] = []
     if lora.adapter_format == "peft":

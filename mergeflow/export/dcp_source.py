@@ -1,27 +1,88 @@
-"""A torch DCP checkpoint as a source of rank pieces for the export: key checks and verified tensors.
+"""A torch DCP checkpoint as a source of rank pieces for the export: layouts, key checks, verified tensors.
 
-The format (mergeflow/formats/dcp.py) says where each chunk's bytes are; this module assembles
-them through the same reconstruct path as verl's rank files, so there is one way to rebuild and
-round-trip verify a tensor.
+The format (mergeflow/formats/dcp.py) says where each chunk's bytes are; this module turns its
+chunks into `TensorLayout`s (chunk c plays rank c) and assembles them through the same
+reconstruct path as verl's rank files, so there is one way to rebuild and round-trip verify a tensor.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
 import torch
 
-from mergeflow.errors import SchemaMismatchError
+from mergeflow.errors import InputChangedError, SchemaMismatchError
 from mergeflow.export.reconstruct import (
     check_coverage,
     global_pieces,
     verified_chunks,
     verify_round_trip,
 )
-from mergeflow.formats.dcp import DcpCheckpoint, DcpChunks
+from mergeflow.formats.dcp import (
+    METADATA,
+    DcpCheckpoint,
+    DcpChunks,
+    DcpTensor,
+    open_dcp,
+)
+from mergeflow.io.fs import FileStamp
+from mergeflow.records import TensorLayout
+
+
+def tensor_layout(tensor: DcpTensor) -> TensorLayout:
+    """The chunks of one DCP tensor as a TensorLayout: chunk c is "rank" c, with no replicas."""
+    return TensorLayout(tensor.key, tensor.dtype, tensor.shape, tensor.shard_dim,
+                        tuple((c,) for c in range(len(tensor.chunks))), tensor.chunk_shapes)
+
+
+def dcp_layouts(checkpoint: DcpCheckpoint) -> dict[str, TensorLayout]:
+    """Every tensor's layout by its Diffusers name (what verl's `rank_layouts` gives per raw key)."""
+    return {name: tensor_layout(tensor) for name, tensor in sorted(checkpoint.tensors.items())}
+
+
+class DcpSources:
+    """Parsed DCP checkpoints shared by the tasks of one process, keyed by the `.metadata` stamp.
+
+    Parsing `.metadata` once per export instead of once per shard task; a rewritten `.metadata`
+    misses, and a state parsed only under --trust-checkpoint is never handed to an export without it.
+    """
+
+    _cache: OrderedDict[tuple[str, FileStamp, bool], DcpChunks] = OrderedDict()
+    _lock = threading.Lock()
+    _capacity = 8
+
+    @classmethod
+    def chunks(cls, directory: Path, *, trust_checkpoint: bool = False) -> DcpChunks:
+        stamp = FileStamp.of(directory / METADATA)
+        key = (str(directory), stamp, trust_checkpoint)
+        with cls._lock:
+            cached = cls._cache.get(key)
+            if cached is not None:
+                cls._cache.move_to_end(key)
+                return cached
+        chunks = DcpChunks(open_dcp(directory, trust_checkpoint=trust_checkpoint))
+        if FileStamp.of(directory / METADATA) != stamp:
+            raise InputChangedError(f"{METADATA} in {directory.name}/ changed while it was read; "
+                                    "wait until the save has finished")
+        with cls._lock:
+            cls._cache[key] = chunks
+            while len(cls._cache) > cls._capacity:
+                cls._cache.popitem(last=False)
+        return chunks
+
+    @classmethod
+    def forget(cls, directory: Path) -> None:
+        """Drop a checkpoint's parsed metadata once its export is over (a long-running `serve`)."""
+        with cls._lock:
+            for key in [k for k in cls._cache if k[0] == str(directory)]:
+                del cls._cache[key]
 
 
 def check_keys(checkpoint: DcpCheckpoint, expected: dict[str, tuple[int, ...]]) -> None:
     """The DCP must hold exactly the base's tensors (after wrapper stripping), with the same shapes."""
-    actual = {name: t.layout.shape for name, t in checkpoint.tensors.items()}
+    actual = {name: t.shape for name, t in checkpoint.tensors.items()}
     if not set(actual) & set(expected):
         raise SchemaMismatchError(
             f"none of the {len(actual)} DCP keys names a tensor of the base (e.g. {', '.join(sorted(actual)[:2])} vs "
@@ -31,8 +92,8 @@ def check_keys(checkpoint: DcpCheckpoint, expected: dict[str, tuple[int, ...]]) 
 
 def read_tensor(chunks: DcpChunks, name: str) -> torch.Tensor:
     """One global tensor, assembled by reconstruct's path and round-trip verified chunk by chunk."""
-    layout = chunks.checkpoint.tensors[name].layout
-    pieces = verified_chunks(layout, chunks)  # type: ignore[arg-type]  (duck-typed like RankStates)
+    layout = tensor_layout(chunks.checkpoint.tensors[name])
+    pieces = verified_chunks(layout, chunks)
     parts = list(global_pieces(layout, pieces, layout.dtype, name))
     written = parts[0] if len(parts) == 1 else torch.cat([p.reshape(-1) for p in parts]).view(layout.shape)
     verify_round_trip(layout, written, pieces, layout.dtype, name)

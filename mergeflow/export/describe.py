@@ -8,6 +8,7 @@ from mergeflow.architectures.schema import read_model_config
 from mergeflow.errors import CheckpointError
 from mergeflow.export.layout import plan_layouts
 from mergeflow.formats import dcp
+from mergeflow.formats.checkpoint_dir import format_of
 from mergeflow.formats.rank_files import describe_state, load_rank_state
 from mergeflow.formats.safetensors_format import nbytes
 from mergeflow.formats.verl_checkpoint import (
@@ -21,7 +22,7 @@ from mergeflow.io.jsonfiles import JsonObject
 def describe_checkpoint(actor_dir: Path, *, trust_checkpoint: bool = False) -> JsonObject:
     """What is this checkpoint? World size, layout, tensors, dtypes, LoRA adapters, class."""
     actor_dir = actor_dir.expanduser().resolve()
-    if dcp.is_dcp_dir(actor_dir):
+    if format_of(actor_dir) == "dcp":
         return _describe_dcp(actor_dir, trust_checkpoint)
     fsdp = read_fsdp_config(actor_dir)
     names = rank_file_names(actor_dir, fsdp.world_size)
@@ -58,7 +59,7 @@ def describe_checkpoint(actor_dir: Path, *, trust_checkpoint: bool = False) -> J
 def _describe_dcp(directory: Path, trust_checkpoint: bool) -> JsonObject:
     """The same summary for a torch Distributed Checkpoint, from its `.metadata` alone (safe unpickler)."""
     checkpoint = dcp.open_dcp(directory, trust_checkpoint=trust_checkpoint)
-    layouts = [t.layout for t in checkpoint.tensors.values()]
+    layouts = list(checkpoint.tensors.values())
     dtypes: dict[str, int] = {}
     for layout in layouts:
         dtypes[layout.dtype] = dtypes.get(layout.dtype, 0) + 1

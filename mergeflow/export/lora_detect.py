@@ -7,19 +7,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from mergeflow.architectures.registry import BaseLayout, adapter_of, detect_base
 from mergeflow.architectures.schema import model_schema, read_model_config
 from mergeflow.config import ModelMergerConfig
 from mergeflow.errors import BaseModelError, CheckpointError, LoraError, UsageError
-from mergeflow.export.reconstruct import RankStates
+from mergeflow.export.checkpoint_source import OpenedCheckpoint
 from mergeflow.export.targets import TargetSchema, diffusers_schema
-from mergeflow.formats.verl_checkpoint import (
-    LORA_META,
-    rank_file_names,
-    read_fsdp_config,
-)
+from mergeflow.formats.verl_checkpoint import LORA_META
 from mergeflow.formats.weight_index import read_weight_map
 from mergeflow.io.fs import FileStamp, sha256_file
 from mergeflow.io.jsonfiles import JsonObject, read_json_strict
@@ -27,6 +22,7 @@ from mergeflow.io.paths import check_no_overlap, check_target
 from mergeflow.lora.config import (
     ADAPTER_CONFIG_NAME,
     AdapterSettings,
+    LoraTrainMeta,
     load_adapter_settings,
     load_train_meta,
 )
@@ -75,12 +71,13 @@ def _relative_or_name(path: Path, root: Path) -> str:
         return path.name
 
 
-def _settings(config: ModelMergerConfig, actor: Path, meta: Any) -> tuple[AdapterSettings, str, Path | None]:
+def _settings(config: ModelMergerConfig, actor: Path, meta: LoraTrainMeta | None) -> tuple[AdapterSettings, str, Path | None]:
     path, origin = _adapter_config_file(config, actor)
     if path is None:
+        assert meta is not None  # detect_lora refuses a LoRA checkpoint that has neither
         return AdapterSettings.from_meta(meta), origin, None
     settings = load_adapter_settings(path)
-    if (settings.r, settings.lora_alpha) != (meta.r, meta.lora_alpha):
+    if meta is not None and (settings.r, settings.lora_alpha) != (meta.r, meta.lora_alpha):
         raise LoraError(
             f"{origin} says r={settings.r}, lora_alpha={settings.lora_alpha} but {LORA_META} says r={meta.r}, "
             f"lora_alpha={meta.lora_alpha}; they describe different trainings"
@@ -88,16 +85,15 @@ def _settings(config: ModelMergerConfig, actor: Path, meta: Any) -> tuple[Adapte
     return settings, origin, path
 
 
-def detect_lora(config: ModelMergerConfig) -> LoraSpec | None:
-    """Find LoRA in a checkpoint (keys of rank 0 + lora_train_meta.json); None when there is none."""
-    actor = Path(config.local_dir or "").expanduser().resolve()
-    if not actor.is_dir():
-        raise CheckpointError(f"--local_dir {actor} is not a directory")
-    fsdp = read_fsdp_config(actor)
-    rank0 = rank_file_names(actor, fsdp.world_size)[0]
-    # mmap: unpickling the key list costs no private memory; every rank's keys are compared later.
-    # Through the shared cache, so load-rank-00000 reuses the parsed file.
-    keys = list(RankStates(actor, (rank0,), trust_checkpoint=config.trust_checkpoint).state(0))
+def detect_lora(config: ModelMergerConfig, checkpoint: OpenedCheckpoint) -> LoraSpec | None:
+    """Find LoRA in a checkpoint (its keys + lora_train_meta.json); None when there is none.
+
+    verl writes lora_train_meta.json beside every LoRA run's rank files. A DCP (accelerate and
+    others) has none: there the PEFT adapter_config.json (--adapter-config, or beside the checkpoint)
+    gives r and lora_alpha.
+    """
+    actor = checkpoint.directory
+    keys = list(checkpoint.keys)
     layout = classify(keys)
     has_meta = (actor / LORA_META).is_file()
     if layout is LoraLayout.NONE and not has_meta:
@@ -106,16 +102,19 @@ def detect_lora(config: ModelMergerConfig) -> LoraSpec | None:
     if layout is LoraLayout.NONE:
         raise LoraError(f"{LORA_META} says this is a LoRA run, but the rank files hold no LoRA keys ('lora_' in "
                         "the name); the rank files or the metadata belong to another run")
-    if not has_meta:
+    if not has_meta and checkpoint.format == "verl":
         raise LoraError(f"the rank files hold LoRA adapters but {LORA_META} is missing, so r and lora_alpha are "
                         "unknown; copy it from the training run's actor directory")
-    meta = load_train_meta(actor / LORA_META)
+    if not has_meta and _adapter_config_file(config, actor)[0] is None:
+        raise LoraError(f"the DCP checkpoint holds LoRA adapters but no {LORA_META} or {ADAPTER_CONFIG_NAME} says "
+                        "their r and lora_alpha; pass --adapter-config PATH (the PEFT adapter_config.json the run saved)")
+    meta = load_train_meta(actor / LORA_META) if has_meta else None
     grouped = group_adapters(keys)
     require_adapter(grouped, config.adapter_name)
     if config.fuse_lora and config.adapter_format != "peft":
         raise UsageError("--adapter-format chooses how an adapter is exported; with --fuse-lora no adapter is written")
     settings, origin, path = _settings(config, actor, meta)
-    source_files = {LORA_META: sha256_file(actor / LORA_META)}
+    source_files = {LORA_META: sha256_file(actor / LORA_META)} if has_meta else {}
     config_sha = None
     if path is not None:
         config_sha = sha256_file(path)
@@ -137,7 +136,7 @@ def detect_lora(config: ModelMergerConfig) -> LoraSpec | None:
 
 def lora_input_files(config: ModelMergerConfig, actor: Path) -> list[Path]:
     """LoRA inputs that must not change during the export (metadata, adapter config)."""
-    files = [actor / LORA_META]
+    files = [actor / LORA_META] if (actor / LORA_META).is_file() else []  # a DCP's LoRA has no metadata file
     path, _ = _adapter_config_file(config, actor)
     return files + ([path] if path is not None else [])
 

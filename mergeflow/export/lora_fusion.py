@@ -17,7 +17,7 @@ import torch
 from mergeflow.architectures.conversions import apply_transform
 from mergeflow.errors import CheckpointError, InputChangedError
 from mergeflow.export.reconstruct import (
-    RankStates,
+    PieceSource,
     bits,
     cast,
     check_finite,
@@ -59,7 +59,7 @@ def _read_base_model(source: BaseModelSource, expect: TensorLayout | None) -> to
     return tensor
 
 
-def read_source(source: TensorSource | None, states: RankStates, *, verify: bool = False,
+def read_source(source: TensorSource | None, states: PieceSource, *, verify: bool = False,
                 expect: TensorLayout | None = None) -> torch.Tensor | None:
     """One source tensor, whole; with verify, re-slice it and compare every rank shard bit for bit."""
     if source is None:
@@ -76,7 +76,7 @@ def read_source(source: TensorSource | None, states: RankStates, *, verify: bool
     return tensor
 
 
-def transformed_tensor(tw: TensorWrite, states: RankStates, *, verify: bool = False) -> torch.Tensor:
+def transformed_tensor(tw: TensorWrite, states: PieceSource, *, verify: bool = False) -> torch.Tensor:
     """The output tensor of a transformed TensorWrite, in its output dtype, contiguous."""
     spec = tw.transform
     if isinstance(spec, ArchitectureOp):  # architecture conversions: whole sources in, one tensor out
@@ -92,7 +92,7 @@ def transformed_tensor(tw: TensorWrite, states: RankStates, *, verify: bool = Fa
     return cast(result, tw.out_dtype, tw.name).contiguous()
 
 
-def _fuse(name: str, spec: LoraFuse, base: torch.Tensor, states: RankStates, verify: bool) -> torch.Tensor:
+def _fuse(name: str, spec: LoraFuse, base: torch.Tensor, states: PieceSource, verify: bool) -> torch.Tensor:
     def part(source: TensorSource | None) -> torch.Tensor | None:
         return read_source(source, states, verify=verify)
 
@@ -111,7 +111,7 @@ def _fuse(name: str, spec: LoraFuse, base: torch.Tensor, states: RankStates, ver
     )
 
 
-def verify_transformed(tw: TensorWrite, written: torch.Tensor, states: RankStates) -> None:
+def verify_transformed(tw: TensorWrite, written: torch.Tensor, states: PieceSource) -> None:
     """Round trip of a computed tensor: every source re-verified bit for bit, then the written bytes recomputed."""
     if tuple(written.shape) != tw.layout.shape:
         raise CheckpointError(f"{tw.name}: written shape {list(written.shape)} differs from {list(tw.layout.shape)}")

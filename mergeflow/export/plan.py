@@ -19,6 +19,11 @@ from mergeflow.architectures.schema import (
 )
 from mergeflow.config import ModelMergerConfig
 from mergeflow.errors import BaseModelError, CheckpointError, MergeflowError
+from mergeflow.export.checkpoint_source import (
+    ModelConfigSource,
+    model_config_source,
+    open_checkpoint,
+)
 from mergeflow.export.lora_detect import (
     adapter_target,
     detect_lora,
@@ -27,15 +32,9 @@ from mergeflow.export.lora_detect import (
     resolve_adapter_inputs,
 )
 from mergeflow.export.preflight import check_output_format, resolve_inputs
-from mergeflow.export.reconstruct import RankStates
 from mergeflow.export.targets import TargetSchema, pipeline_target, transformer_target
+from mergeflow.formats.checkpoint_dir import file_hasher
 from mergeflow.formats.manifest import fingerprint
-from mergeflow.formats.verl_checkpoint import (
-    FSDP_CONFIG,
-    rank_file_names,
-    read_fsdp_config,
-)
-from mergeflow.formats.zip_records import sha256_and_check_records
 from mergeflow.io.fs import FileStamp, sha256_file
 from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.io.paths import lock_path_for, staging_dir_for
@@ -67,27 +66,30 @@ class _Decided:
 def build_plan(config: ModelMergerConfig) -> MergePlan:
     """Decide everything about an export from metadata alone, refusing bad input early."""
     config.validate()
-    lora = detect_lora(config)  # None without LoRA; LoRA faults are refused here, before any output
+    actor = Path(config.local_dir or "").expanduser().resolve()
+    if not actor.is_dir():
+        raise CheckpointError(f"--local_dir {actor} is not a directory")
+    checkpoint = open_checkpoint(actor, trust_checkpoint=config.trust_checkpoint)  # verl's rank 0, or a DCP's .metadata
+    # The manifest's source-file digests: hashed on the idle core while the schema is built.
+    DigestPrefetch.start([actor / name for name in checkpoint.files], hasher=file_hasher(checkpoint.format))
+    lora = detect_lora(config, checkpoint)  # None without LoRA; LoRA faults are refused here, before any output
     adapter_only = lora is not None and lora.adapter_only
     # A LoRA-only adapter needs no local base: its base may be a Hub name.
     paths = resolve_adapter_inputs(config) if adapter_only else resolve_inputs(config)
-    actor, target = paths["actor"], paths["target"]
-    fsdp = read_fsdp_config(actor)
-    rank_files = rank_file_names(actor, fsdp.world_size)
-    # The manifest's rank-file digests: hashed on the idle core while the schema is built.
-    DigestPrefetch.start([actor / name for name in rank_files], hasher=sha256_and_check_records)
+    target = paths["target"]
+    model_config = model_config_source(config, checkpoint.format, paths["config_dir"], paths.get("base"))
     # The tensors the checkpoint really holds bound the meta builds of the schema step, so no config
-    # value can make them run away (rank 0 is parsed already: detect_lora read its keys).
-    held = len(RankStates(actor, (rank_files[0],), trust_checkpoint=config.trust_checkpoint).state(0))
-    actor_config_path = paths["config_dir"] / "config.json"
+    # value can make them run away.
+    held = len(checkpoint.keys)
     if adapter_only:
         assert lora is not None
-        actor_config = read_model_config(actor_config_path, CheckpointError, "huggingface/config.json of the checkpoint")
+        actor_config = read_model_config(model_config.path, model_config.error, model_config.what)
         with tensor_budget(TensorBudget.for_checkpoint(held, actor_config)):
             decided = _adapter_export(config, lora, paths.get("base"), actor_config)
     else:
-        decided = _model_export(config, lora, paths["base"], actor_config_path, held)
-    inputs = [actor / FSDP_CONFIG, actor_config_path] + [actor / n for n in rank_files]
+        decided = _model_export(config, lora, paths["base"], model_config, held)
+    inputs = ([actor / name for name in checkpoint.marker_files] + [model_config.path]
+              + [actor / n for n in checkpoint.files])
     stamps = {str(p): FileStamp.of(p) for p in inputs}
     stamps.update(decided.stamps)
     options = {k: v for k, v in config.to_dict().items() if k not in _NOT_FINGERPRINTED}
@@ -96,9 +98,10 @@ def build_plan(config: ModelMergerConfig) -> MergePlan:
     return MergePlan(
         options=ExportOptions(dtype=config.dtype, max_shard_size=config.max_shard_size,  # type: ignore[arg-type]
                               trust_checkpoint=config.trust_checkpoint, workers=config.workers),
-        checkpoint=CheckpointInputs(actor_dir=str(actor), config_dir=str(paths["config_dir"]), world_size=fsdp.world_size,
-                                    fsdp_version=fsdp.version, rank_files=tuple(rank_files),
-                                    config_sha256=sha256_file(actor_config_path)),
+        checkpoint=CheckpointInputs(actor_dir=str(actor), config_dir=str(model_config.path.parent),
+                                    world_size=checkpoint.world_size, fsdp_version=checkpoint.fsdp_version,
+                                    rank_files=checkpoint.files, config_sha256=sha256_file(model_config.path),
+                                    format=checkpoint.format, config_logical_path=model_config.logical_path),
         base=decided.base,
         output=OutputTarget(target=str(target), staging=str(staging_dir_for(target, fp)), lock=str(lock_path_for(target)),
                             artifact_type=schema.artifact_type, architecture=schema.architecture,
@@ -112,12 +115,12 @@ def build_plan(config: ModelMergerConfig) -> MergePlan:
     )
 
 
-def _model_export(config: ModelMergerConfig, lora: LoraSpec | None, base: Path, actor_config_path: Path,
+def _model_export(config: ModelMergerConfig, lora: LoraSpec | None, base: Path, model_config: ModelConfigSource,
                   held: int) -> _Decided:
     """A pipeline or standalone transformer: the local base's schema, files and (for LoRA) weights."""
     layout = detect_base(base, config.component)
     check_output_format(config, layout)
-    actor_config = read_model_config(actor_config_path, CheckpointError, "huggingface/config.json of the checkpoint")
+    actor_config = read_model_config(model_config.path, model_config.error, model_config.what)
     budget = TensorBudget.for_checkpoint(held, actor_config, _base_config_if_readable(layout.transformer_dir / "config.json"))
     with tensor_budget(budget):
         if config.output_format == "pipeline":

@@ -24,6 +24,7 @@ from mergeflow.errors import (
     SchemaMismatchError,
     UsageError,
 )
+from mergeflow.formats.checkpoint_dir import format_of, listed_files
 from mergeflow.formats.verl_checkpoint import (
     LORA_META,
     rank_file_names,
@@ -65,12 +66,15 @@ def check_output_format(config: ModelMergerConfig, layout: BaseLayout) -> None:
 def preflight_merge(config: ModelMergerConfig) -> list[Path]:
     """Refuse a merge whose flags, paths, fsdp_config.json, rank-file set or classes are wrong.
 
-    Returns the rank files it found, so the caller can start hashing them at once.
+    Returns the checkpoint files it found, so the caller can start hashing them at once.
     """
     config.validate()
     actor = Path(config.local_dir or "").expanduser().resolve()
     if not actor.is_dir():
         raise CheckpointError(f"--local_dir {actor} is not a directory")
+    if format_of(actor) == "dcp":
+        _preflight_dcp(config, actor)
+        return listed_files(actor)
     fsdp = read_fsdp_config(actor)
     rank_files = [actor / name for name in rank_file_names(actor, fsdp.world_size)]
     has_meta = (actor / LORA_META).is_file()
@@ -111,6 +115,37 @@ def _preflight_with_base(config: ModelMergerConfig) -> None:
     actor_config = _read_config(paths["config_dir"] / "config.json", CheckpointError, CHECKPOINT_CONFIG)
     if config.output_format == "transformer" or (arch is not None and arch.adapter.instantiates_model):
         _check_same_diffusers_class(actor_config, paths["base"], layout)
+
+
+def _preflight_dcp(config: ModelMergerConfig, actor: Path) -> None:
+    """A DCP: whether it holds LoRA is in `.metadata` (a pickle, read by the flow), so only what every
+    branch checks: the LoRA flags' own consistency, target and overlaps, and a local base's layout and
+    classes (the model config is --hf_model_config_path's, else the base's own)."""
+    if config.fuse_lora and config.adapter_format != "peft":
+        raise UsageError("--adapter-format chooses how an adapter is exported; with --fuse-lora no adapter is written")
+    if config.adapter_config and not Path(config.adapter_config).expanduser().is_file():
+        raise UsageError(f"--adapter-config {config.adapter_config} is not a file")
+    target = check_target(Path(config.target_dir or ""))
+    check_no_overlap({"--local_dir": actor, "--target_dir": target})
+    base_arg = Path(config.base_model or "").expanduser()
+    cfg_dir = Path(config.hf_model_config_path or "").expanduser().resolve() if config.model_config_given() else None
+    if cfg_dir is not None:
+        check_no_overlap({"--hf_model_config_path": cfg_dir, "--target_dir": target})
+    if not base_arg.is_dir():
+        if cfg_dir is None:  # the flow could not plan either: a DCP carries no model config
+            raise UsageError("a DCP checkpoint carries no model config: pass a local --base_model (its transformer's "
+                             "config.json is used) or --hf_model_config_path DIR (a directory holding the model's config.json)")
+        return  # a Hub id: only a LoRA-only adapter export can take it, which the flow decides
+    base = base_arg.resolve()
+    check_no_overlap({"--local_dir": actor, "--base_model": base, "--target_dir": target})
+    layout = detect_base(base, config.component)
+    check_output_format(config, layout)
+    if cfg_dir is not None:
+        check_no_overlap({"--hf_model_config_path": cfg_dir, "--base_model": base})
+        actor_config = _read_config(cfg_dir / "config.json", CheckpointError, "config.json of --hf_model_config_path")
+        arch = PIPELINES.get(layout.class_name) if layout.kind == "pipeline" else None
+        if config.output_format == "transformer" or (arch is not None and arch.adapter.instantiates_model):
+            _check_same_diffusers_class(actor_config, base, layout)
 
 
 def _preflight_maybe_adapter(config: ModelMergerConfig, actor: Path) -> None:

@@ -67,11 +67,12 @@ def build_manifest(
     """
     if set(rank_digests) != set(plan.checkpoint.rank_files):
         raise ArtifactInvalidError("the rank files hashed for the manifest are not the checkpoint's rank files")
-    source_files = {name: rank_digests[name] for name in plan.checkpoint.rank_files}
-    source_files["fsdp_config.json"] = sha256_file(Path(plan.checkpoint.actor_dir) / "fsdp_config.json")
+    source_files = {name: rank_digests[name] for name in plan.checkpoint.rank_files}  # a DCP's: .metadata + *.distcp
+    if plan.checkpoint.format == "verl":
+        source_files["fsdp_config.json"] = sha256_file(Path(plan.checkpoint.actor_dir) / "fsdp_config.json")
     if plan.lora is not None:
         source_files.update(plan.lora.source_files)  # lora_train_meta.json (and adapter_config.json)
-    smc = {"sha256": plan.checkpoint.config_sha256, "logical_path": "huggingface/config.json"}
+    smc = {"sha256": plan.checkpoint.config_sha256, "logical_path": plan.checkpoint.config_logical_path}
     tensors = {name: {"shape": list(shape), "dtype": dtype} for s in shards for name, (dtype, shape) in s.tensors.items()}
     out_files = {plan.output.relative(s.file_name): s.sha256 for s in shards}
     out_files.update({f.rel_path: f.sha256 for f in files})
@@ -94,11 +95,18 @@ def build_manifest(
         "config_transform": config_transform,
         "producer": producer_versions(),
         "verification": dict(LAYERS_PASSED),
-        "checkpoint": {"world_size": plan.checkpoint.world_size, "fsdp_version": plan.checkpoint.fsdp_version},
+        "checkpoint": checkpoint_record(plan),
     }
     if lora_fusion is not None:
         manifest["lora_fusion"] = lora_fusion
     return manifest
+
+
+def checkpoint_record(plan: MergePlan) -> JsonObject:
+    """The manifest's `checkpoint`: the world size, and FSDP's version (verl) or the DCP layout."""
+    if plan.checkpoint.format == "dcp":  # a DCP does not record which FSDP wrote it
+        return {"layout": "dcp", "world_size": plan.checkpoint.world_size}
+    return {"world_size": plan.checkpoint.world_size, "fsdp_version": plan.checkpoint.fsdp_version}
 
 
 def finalize_staging(plan: MergePlan, output: OutputPlan, rank_digests: dict[str, str], shards: list[ShardRecord],

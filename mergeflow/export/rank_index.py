@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from mergeflow.errors import CheckpointError, InputChangedError
@@ -25,10 +26,12 @@ def index_rank_file(actor_dir: Path, file_name: str, rank: int, *, trust_checkpo
     return RankIndex(rank=rank, file_name=file_name, size=before.size, entries=entries)
 
 
-def hash_rank_file(actor_dir: Path, file_name: str, planned: FileStamp | None = None) -> str:
-    """sha256 of one rank file, every record checked against its CRC-32 in the same pass.
+def hash_rank_file(actor_dir: Path, file_name: str, planned: FileStamp | None = None,
+                   hasher: Callable[[Path], str] = sha256_and_check_records) -> str:
+    """sha256 of one checkpoint file; for a verl rank file every record is checked against its CRC-32 in the same pass.
 
     Refused if the file is damaged, is not the one inspect planned, or changes meanwhile.
+    `hasher` is the checkpoint format's (mergeflow.export.checkpoint_source.file_hasher).
     """
     path = actor_dir / file_name
     before = FileStamp.of(path)
@@ -37,8 +40,7 @@ def hash_rank_file(actor_dir: Path, file_name: str, planned: FileStamp | None = 
     try:
         # Usually hashed and checked in the background since inspection, for this very stamp (mergeflow.io.prefetch);
         # a digest prefetched without the CRC checks is not taken.
-        digest = (DigestPrefetch.take(path, before, hasher=sha256_and_check_records)
-                  or sha256_and_check_records(path))
+        digest = DigestPrefetch.take(path, before, hasher=hasher) or hasher(path)
     except CheckpointError:
         _unchanged_while_hashed(path, file_name, before)  # a file being rewritten is changing, not damaged
         raise

@@ -11,7 +11,7 @@ import torch
 
 from mergeflow.errors import CheckpointError
 from mergeflow.export.reconstruct import (
-    RankStates,
+    PieceSource,
     all_finite,
     primary_chunks,
     same_bytes,
@@ -34,7 +34,7 @@ class FollowingReadBack:
     leaves idle while its sha256 thread sets the pace.
     """
 
-    def __init__(self, path: Path, data_start: int, entries: dict[str, HeaderEntry], states: RankStates) -> None:
+    def __init__(self, path: Path, data_start: int, entries: dict[str, HeaderEntry], states: PieceSource) -> None:
         self.path = path
         self.data_start = data_start
         self.entries = entries
@@ -107,7 +107,7 @@ def _nbytes(pieces: list[torch.Tensor] | None) -> int:
     return sum(p.numel() * p.element_size() for p in pieces) if pieces else 0
 
 
-def compare_tensor(handle: Any, buffer: bytearray, offset: int, tw: TensorWrite, states: RankStates, file_name: str) -> None:
+def compare_tensor(handle: Any, buffer: bytearray, offset: int, tw: TensorWrite, states: PieceSource, file_name: str) -> None:
     """Compare a streamed tensor's file region with its rank shards in order, and check them finite."""
     window = torch.frombuffer(buffer, dtype=torch.uint8)
     handle.seek(offset)

@@ -8,22 +8,32 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from mergeflow.architectures.schema import is_kept_in_fp32
 from mergeflow.errors import CastError, CheckpointError, SchemaMismatchError
-from mergeflow.export.layout import rank_layouts
 from mergeflow.formats.rank_files import load_rank_state, local_tensor
 from mergeflow.formats.rank_pickle import StateDict
 from mergeflow.formats.safetensors_format import torch_dtype
 from mergeflow.io.fs import FileStamp
-from mergeflow.records import MergePlan, RankIndex, TensorLayout, TensorWrite
+from mergeflow.records import MergePlan, TensorLayout, TensorWrite
 
 FLOATING = {"float64", "float32", "float16", "bfloat16"}
 _CHECK_ELEMENTS = 1 << 24  # finiteness is checked in slices so no full-size temporary exists
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class PieceSource(Protocol):
+    """Where a layout's pieces are read: `local(r, key)` is piece r of `key` (chunk_ranks name r).
+
+    verl's rank files (RankStates: r is a rank) and a torch DCP (DcpChunks: r is a chunk) both
+    answer it, so reconstruction and round-trip verification are one path for both.
+    """
+
+    def local(self, rank: int, key: str) -> torch.Tensor: ...
 
 
 class RankStates:
@@ -159,12 +169,12 @@ def cast(tensor: torch.Tensor, dtype: str, what: str) -> torch.Tensor:
     return out
 
 
-def primary_chunks(layout: TensorLayout, states: RankStates) -> list[torch.Tensor]:
+def primary_chunks(layout: TensorLayout, states: PieceSource) -> list[torch.Tensor]:
     """The local tensor of every chunk as read from its first rank (no checks)."""
     return [states.local(ranks[0], layout.key) for ranks in layout.chunk_ranks]
 
 
-def verified_chunks(layout: TensorLayout, states: RankStates, *, check_values: bool = True) -> list[torch.Tensor]:
+def verified_chunks(layout: TensorLayout, states: PieceSource, *, check_values: bool = True) -> list[torch.Tensor]:
     """The primary local tensor of every chunk, after checking replicas, dtype and finiteness.
 
     check_values=False leaves the finiteness scan to the caller, which for streamed tensors
@@ -241,9 +251,9 @@ def strip_wrappers(key: str) -> str:
     return key.replace("_fsdp_wrapped_module.", "")
 
 
-def plan_tensor_writes(plan: MergePlan, indexes: list[RankIndex]) -> list[TensorWrite]:
-    """Layouts for every key, checked against the base schema: exact coverage and shapes."""
-    layouts = rank_layouts(indexes)
+def plan_tensor_writes(plan: MergePlan, layouts: dict[str, TensorLayout]) -> list[TensorWrite]:
+    """One write per checkpoint tensor (`layouts`: see mergeflow.export.layout.rank_layouts), checked
+    against the base schema: exact coverage and shapes."""
     by_name: dict[str, TensorLayout] = {}
     for key, layout in layouts.items():
         name = strip_wrappers(key)

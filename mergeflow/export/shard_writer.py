@@ -16,7 +16,7 @@ from mergeflow.export.lora_fusion import transformed_tensor, verify_transformed
 from mergeflow.export.progress import WRITE_PROGRESS
 from mergeflow.export.readback import FollowingReadBack, read_exact
 from mergeflow.export.reconstruct import (
-    RankStates,
+    PieceSource,
     global_pieces,
     is_cast_in_rank_order,
     is_streamed,
@@ -93,7 +93,7 @@ def _as_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
-def write_shard_file(shard: ShardPlan, states: RankStates, artifact_dir: Path, work_dir: Path) -> ShardRecord:
+def write_shard_file(shard: ShardPlan, states: PieceSource, artifact_dir: Path, work_dir: Path) -> ShardRecord:
     """Write one shard (or reuse a verified one from an earlier attempt) and round-trip verify it."""
     try:
         return _write_shard_file(shard, states, artifact_dir, work_dir)
@@ -104,7 +104,7 @@ def write_shard_file(shard: ShardPlan, states: RankStates, artifact_dir: Path, w
         raise typed from None
 
 
-def _write_shard_file(shard: ShardPlan, states: RankStates, artifact_dir: Path, work_dir: Path) -> ShardRecord:
+def _write_shard_file(shard: ShardPlan, states: PieceSource, artifact_dir: Path, work_dir: Path) -> ShardRecord:
     record_path = work_dir / f"shard-{shard.index:05d}.json"
     final = artifact_dir / shard.file_name
     reused = _reusable(record_path, final, shard)
@@ -147,7 +147,7 @@ def _write_shard_file(shard: ShardPlan, states: RankStates, artifact_dir: Path, 
     return record
 
 
-def _stream_shard(fd: int, header: bytes, entries: dict[str, HeaderEntry], ordered: list[TensorWrite], states: RankStates,
+def _stream_shard(fd: int, header: bytes, entries: dict[str, HeaderEntry], ordered: list[TensorWrite], states: PieceSource,
                   follow: FollowingReadBack, flush: BackgroundFlush) -> str:
     """Write the header and every tensor's bytes in file order; returns the sha256 of the stream.
 
@@ -202,7 +202,7 @@ def open_tensors(path: Path, expected_metadata: dict[str, str] | None = None) ->
     return out
 
 
-def verify_written_shard(path: Path, shard: ShardPlan, states: RankStates, header: bytes) -> None:
+def verify_written_shard(path: Path, shard: ShardPlan, states: PieceSource, header: bytes) -> None:
     """Layers 2 and 3 for what the read-back during writing did not cover.
 
     Streamed and cast tensors were compared while the file was written (FollowingReadBack).

@@ -8,8 +8,9 @@ bytes cast to the base's stored dtype (an fp32 checkpoint of an untrained bf16 b
 exactly, so `--dtype`/`preserve` cannot hide it; a tensor the base lacks, or of another shape,
 differs).
 
-Cheap first: one tensor per written shard (its first in name order) is compared; only when
-every sampled tensor matches is the whole base read. A normal export therefore reads a few
+Cheap first: one tensor per written shard is compared (its first in name order; for a fused
+LoRA export its first fused weight, since a LoRA run leaves every other weight equal to the base
+by design); only when every sampled tensor matches is the whole base read. A normal export therefore reads a few
 base tensors and its manifest is unchanged; the manifest gains `unchanged_check` only when
 every tensor was compared (so the count of differing tensors is a measurement, not a guess).
 """
@@ -45,15 +46,18 @@ class UnchangedCheck:
 
 
 def guard_unchanged(plan: MergePlan, shards: Sequence[ShardRecord], manifest: JsonObject,
-                    allow_unchanged: bool) -> JsonObject:
-    """Refuse (or, allowed, record) an export equal to its base; returns the manifest, rewritten when measured."""
+                    allow_unchanged: bool, trained: frozenset[str] = frozenset()) -> JsonObject:
+    """Refuse (or, allowed, record) an export equal to its base; returns the manifest, rewritten when measured.
+
+    trained: the tensors the training changed if anything did (a fused LoRA's weights), sampled first.
+    """
     base_dir = Path(plan.base.component_dir)
     # No local base weights under the artifact's weights name (a Hub-named base; an architecture whose
     # base is stored differently): nothing to compare with, so the export is as it was without the guard.
     if plan.base.kind == "hub" or not plan.base.component_dir or not has_weights(base_dir, plan.output.weights_name):
         return manifest
     check = measure_unchanged(Path(plan.output.tensor_dir), [(s.file_name, sorted(s.tensors)) for s in shards],
-                              base_dir, plan.output.weights_name)
+                              base_dir, plan.output.weights_name, trained)
     if check.differing is None:
         return manifest  # a sampled tensor differs: the manifest stays byte-identical to an unguarded export
     if check.unchanged and not allow_unchanged:
@@ -68,15 +72,20 @@ def guard_unchanged(plan: MergePlan, shards: Sequence[ShardRecord], manifest: Js
 
 
 def measure_unchanged(tensor_dir: Path, shards: Sequence[tuple[str, Sequence[str]]], base_dir: Path,
-                      weights_name: str) -> UnchangedCheck:
+                      weights_name: str, trained: frozenset[str] = frozenset()) -> UnchangedCheck:
     """Compare the written shards (file name, tensor names) with the base: the sample, then all if it matches."""
     base = read_weights(base_dir, weights_name, BaseModelError, "the base")
-    sample = [(file_name, names[0]) for file_name, names in shards if names]
+    sample = [(file_name, _sampled(names, trained)) for file_name, names in shards if names]
     if not all(_same(tensor_dir / f, name, base_dir, base) for f, name in sample):
         return UnchangedCheck(sampled=len(sample), compared=len(sample), differing=None)
     everything = [(file_name, name) for file_name, names in shards for name in names]
     differing = sum(not _same(tensor_dir / f, name, base_dir, base) for f, name in everything)
     return UnchangedCheck(sampled=len(sample), compared=len(everything), differing=differing)
+
+
+def _sampled(names: Sequence[str], trained: frozenset[str]) -> str:
+    """The shard's tensor to compare first: a trained one when the shard holds any, else its first."""
+    return next((name for name in names if name in trained), names[0])
 
 
 def _same(shard: Path, name: str, base_dir: Path, base: StoredWeights) -> bool:

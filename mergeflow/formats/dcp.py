@@ -7,8 +7,9 @@ bytes are: (relative file, byte offset, length). The default writer stores each 
 `torch.save(chunk)` at that byte range, so a chunk is read with torch's safe loader
 (`weights_only=True`) on exactly that range, never by full unpickling.
 
-A DCP becomes a second source of rank pieces: every key gets a `TensorLayout` whose "ranks" are its
-chunks, and `DcpChunks.local(chunk, key)` plays the part of `RankStates.local(rank, key)`, so
+A DCP becomes a second source of rank pieces: every key's chunks tile it along at most one dimension
+(checked here), mergeflow/export/dcp_source.py turns that into a `TensorLayout` whose "ranks" are
+the chunks, and `DcpChunks.local(chunk, key)` plays the part of `RankStates.local(rank, key)`, so
 reconstruct's one path (verified_chunks -> global_pieces -> verify_round_trip) assembles both.
 """
 
@@ -30,36 +31,19 @@ from mergeflow.errors import (
     UnsafeCheckpointError,
 )
 from mergeflow.formats import dcp_pickle
-from mergeflow.records import TensorLayout
+from mergeflow.formats.checkpoint_dir import (
+    METADATA,
+    SUFFIX,
+    dcp_files,
+    not_a_dcp_dir,
+)
 
-METADATA = ".metadata"
-SUFFIX = ".distcp"
 # Module names that wrappers put in front of the Diffusers model's own state-dict names:
 # accelerate saves {"model": state_dict} (DCP flattens it to "model."), PEFT adds "base_model.model.",
 # DDP "module.", FSDP1 "_fsdp_wrapped_module." anywhere, torch.compile "_orig_mod.".
 _LEADING = ("model.", "base_model.model.", "module.", "_orig_mod.")
 _ANYWHERE = ("_fsdp_wrapped_module.", "_orig_mod.")
 _HASH_BLOCK = 1 << 22
-
-
-def is_dcp_dir(path: Path) -> bool:
-    """A finished DCP: `.metadata` beside at least one `*.distcp`."""
-    return (path / METADATA).is_file() and any(path.glob(f"*{SUFFIX}"))
-
-
-def not_a_dcp_dir(path: Path) -> str | None:
-    """Why `path` is not a readable DCP directory, in words that say what each layout needs; None if it is one."""
-    has_metadata = (path / METADATA).exists()
-    has_chunks = any(path.glob(f"*{SUFFIX}"))
-    if has_metadata and has_chunks:
-        return None
-    if has_chunks:
-        return (f"{path.name}/ is a DCP checkpoint without {METADATA}: the save did not finish (torch writes "
-                f"{METADATA} last); wait for it or copy the checkpoint again")
-    if has_metadata:
-        return (f"{path.name}/ holds {METADATA} but no *{SUFFIX} file: a DCP checkpoint needs both; "
-                "copy the whole directory")
-    return None
 
 
 @dataclass(frozen=True)
@@ -75,11 +59,18 @@ class ChunkSource:
 
 @dataclass(frozen=True)
 class DcpTensor:
-    """One tensor of a DCP: its layout (chunks as ranks) and each chunk's byte range."""
+    """One tensor of a DCP: its global size and dtype, and its chunks in order along `shard_dim`."""
 
     name: str  # the Diffusers state-dict name (wrappers stripped)
-    layout: TensorLayout
-    chunks: tuple[ChunkSource, ...]
+    key: str  # the key as saved, which `.metadata` and the chunk reads use
+    dtype: str
+    shape: tuple[int, ...]
+    shard_dim: int | None  # None: one chunk holds the whole tensor
+    chunks: tuple[ChunkSource, ...]  # sorted by offset
+
+    @property
+    def chunk_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(c.sizes for c in self.chunks)
 
 
 @dataclass(frozen=True)
@@ -149,11 +140,10 @@ def _parse(directory: Path, metadata: Any) -> DcpCheckpoint:
     for key in sorted(entries):
         tensor = _tensor(key, entries[key], places, sizes, directory.name)
         if tensor.name in tensors:
-            raise CheckpointError(f"keys {tensors[tensor.name].layout.key} and {key} name the same tensor "
+            raise CheckpointError(f"keys {tensors[tensor.name].key} and {key} name the same tensor "
                                   "after removing wrapper prefixes")
         tensors[tensor.name] = tensor
-    present = sorted(p.name for p in directory.glob(f"*{SUFFIX}"))
-    return DcpCheckpoint(directory, tensors, (METADATA, *present))
+    return DcpCheckpoint(directory, tensors, dcp_files(directory))
 
 
 def _file_sizes(directory: Path, names: set[str]) -> dict[str, int]:
@@ -190,14 +180,13 @@ def _tensor(key: str, entry: Any, places: dict, sizes: dict[str, int], dir_name:
                                   f"{sizes[info.relative_path]:,}; copy the checkpoint again")
         chunks.append(ChunkSource(offsets, chunk_sizes, info.relative_path, int(info.offset), int(info.length)))
     chunks.sort(key=lambda c: c.offsets)
-    layout = _layout(key, dtype, shape, chunks)
-    return DcpTensor(model_name(key), layout, tuple(chunks))
+    return DcpTensor(model_name(key), key, dtype, shape, _shard_dim(key, shape, chunks), tuple(chunks))
 
 
-def _layout(key: str, dtype: str, shape: tuple[int, ...], chunks: list[ChunkSource]) -> TensorLayout:
-    """The chunks as a TensorLayout: one chunk for a whole tensor, or pieces along one dimension in order."""
+def _shard_dim(key: str, shape: tuple[int, ...], chunks: list[ChunkSource]) -> int | None:
+    """The one dimension the chunks tile in order (None for one whole chunk); anything else is refused."""
     if len(chunks) == 1 and chunks[0].sizes == shape and not any(chunks[0].offsets):
-        return TensorLayout(key, dtype, shape, None, ((0,),), (shape,))
+        return None
     varying = {d for c in chunks for d, (o, s) in enumerate(zip(c.offsets, c.sizes)) if o != 0 or s != shape[d]}
     if len(varying) != 1:
         raise ShardLayoutError(f"{key} is split on {len(varying)} dimensions in the DCP (tensor parallel?); "
@@ -210,8 +199,7 @@ def _layout(key: str, dtype: str, shape: tuple[int, ...], chunks: list[ChunkSour
         position += chunk.sizes[dim]
     if position != shape[dim]:
         raise ShardLayoutError(f"{key}: DCP chunks cover {position} of {shape[dim]} rows along dim {dim}")
-    return TensorLayout(key, dtype, shape, dim, tuple((i,) for i in range(len(chunks))),
-                        tuple(c.sizes for c in chunks))
+    return dim
 
 
 class DcpChunks:
@@ -219,18 +207,18 @@ class DcpChunks:
 
     def __init__(self, checkpoint: DcpCheckpoint) -> None:
         self.checkpoint = checkpoint
-        self._by_key = {t.layout.key: t for t in checkpoint.tensors.values()}
+        self._by_key = {t.key: t for t in checkpoint.tensors.values()}
 
     def local(self, chunk: int, key: str) -> torch.Tensor:
         source = self._by_key[key].chunks[chunk]
-        with open(self.checkpoint.directory / source.file, "rb") as handle:
-            handle.seek(source.offset)
-            data = handle.read(source.length)
-        if len(data) != source.length:
+        path = self.checkpoint.directory / source.file
+        if os.path.getsize(path) < source.offset + source.length:
             raise CheckpointError(f"{source.file} is truncated: {key} needs {source.length:,} bytes at {source.offset:,}; "
                                   "copy the checkpoint again")
         try:
-            tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            with open(path, "rb") as handle:
+                # torch reads the record from its byte range itself: no Python copy of the chunk first
+                tensor = torch.load(_ByteRange(handle, source.offset, source.length), map_location="cpu", weights_only=True)
         except Exception as exc:  # damage, or a payload the safe loader refuses
             raise CheckpointError(f"{source.file}: the bytes of {key} at {source.offset:,} are damaged or not a tensor "
                                   f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "
@@ -239,6 +227,39 @@ class DcpChunks:
             raise CheckpointError(f"{source.file}: {key} chunk at {list(source.offsets)} holds "
                                   f"{getattr(tensor, 'shape', type(tensor).__name__)}, {METADATA} says {list(source.sizes)}")
         return tensor.contiguous()
+
+
+class _ByteRange(io.RawIOBase):
+    """A read-only file over bytes [start, start + length) of an open file: one `torch.save` record of a
+    `.distcp`, which torch's zip reader opens as if it were the whole file (and cannot read past)."""
+
+    def __init__(self, handle: io.BufferedReader, start: int, length: int) -> None:
+        super().__init__()
+        self._handle, self._start, self._length, self._position = handle, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._length}[whence]
+        self._position = min(max(0, base + offset), self._length)
+        return self._position
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        wanted = min(len(view), self._length - self._position)
+        if wanted <= 0:
+            return 0
+        self._handle.seek(self._start + self._position)
+        got = self._handle.readinto(view[:wanted]) or 0
+        self._position += got
+        return got
 
 
 def source_files(checkpoint: DcpCheckpoint) -> dict[str, str]:

@@ -21,6 +21,11 @@ PIPELINE_ARTIFACT_TYPES = ("diffusers_pipeline", "minimax_h3_pipeline")
 # Optional: present only when the unchanged-weights guard compared every tensor with the base (the
 # sample matched), so an ordinary export's manifest is byte-identical to one written without the guard.
 UNCHANGED_CHECK = "unchanged_check"
+# source_model_config.logical_path: where the exported model config came from, named without a local
+# path. A verl checkpoint saves its own; a DCP carries none, so it is the flag's file or the base's.
+VERL_CONFIG_PATH = "huggingface/config.json"
+FLAG_CONFIG_PATH = "hf_model_config_path/config.json"
+BASE_CONFIG_PREFIX = "base_model/"
 VERIFICATION_LAYERS = ("structure", "source_round_trip", "artifact_round_trip", "integrity")
 
 _REQUIRED: dict[str, type | tuple[type, ...]] = {
@@ -95,9 +100,7 @@ def check_manifest(data: Any) -> JsonObject:
         _check_digest_map(name, data[name])
     if not _is_sha256(data["source_fingerprint"]) or not _is_sha256(data["base_fingerprint"]):
         raise ArtifactInvalidError("manifest fingerprints must be sha256 hex digests")
-    smc = data["source_model_config"]
-    if not _is_sha256(smc.get("sha256")) or smc.get("logical_path") != "huggingface/config.json":
-        raise ArtifactInvalidError("manifest source_model_config must hold sha256 and logical_path 'huggingface/config.json'")
+    _check_source_model_config(data["source_model_config"])
     for key, info in data["tensors"].items():
         if not isinstance(info, dict) or not isinstance(info.get("shape"), list) or info.get("dtype") not in DTYPES:
             raise ArtifactInvalidError(f"manifest tensors[{key!r}] must be {{shape: [...], dtype: <torch dtype name>}}")
@@ -112,6 +115,16 @@ def check_manifest(data: Any) -> JsonObject:
         raise ArtifactInvalidError("manifest files must not list the manifest itself")
     _reject_absolute_paths(data)
     return data
+
+
+def _check_source_model_config(smc: JsonObject) -> None:
+    path = smc.get("logical_path")
+    from_base = isinstance(path, str) and path.startswith(BASE_CONFIG_PREFIX) and path.endswith("config.json")
+    if not _is_sha256(smc.get("sha256")) or not (path in (VERL_CONFIG_PATH, FLAG_CONFIG_PATH) or from_base):
+        raise ArtifactInvalidError(f"manifest source_model_config must hold sha256 and a logical_path "
+                                   f"({VERL_CONFIG_PATH!r}, {FLAG_CONFIG_PATH!r} or '{BASE_CONFIG_PREFIX}...config.json')")
+    if from_base:
+        check_relative_name(path, "manifest source_model_config.logical_path")
 
 
 def _check_unchanged_check(value: Any) -> None:

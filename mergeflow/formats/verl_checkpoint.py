@@ -47,15 +47,17 @@ def _not_a_checkpoint_dir(actor_dir: Path) -> str | None:
     if steps:
         return (f"{actor_dir.name}/ is a training run's output ({len(steps)} checkpoint(s)), not one checkpoint: pass "
                 f"--local_dir {steps[-1] / 'actor'} (the latest), or watch/backfill the run")
-    # The DCP layout's own words for a half-written DCP (imported here: dcp imports nothing of this module).
-    from mergeflow.formats.dcp import not_a_dcp_dir
+    # The DCP layout's own words for a half-written DCP (imported here: checkpoint_dir imports this module).
+    from mergeflow.formats.checkpoint_dir import not_a_dcp_dir
 
     unfinished = not_a_dcp_dir(actor_dir)
     if unfinished:
         return unfinished
     if (actor_dir / ".metadata").exists() or any(actor_dir.glob("*.distcp")):
+        # `merge`, `inspect` and `test` read a DCP directly; only the watcher and backfill look for verl's files.
         return (f"{actor_dir.name}/ is a torch Distributed Checkpoint (.metadata + *.distcp, as accelerate writes), "
-                f"not verl's per-rank files ({FSDP_CONFIG} + model_world_size_W_rank_R.pt); mergeflow does not read DCP yet")
+                f"not verl's per-rank files ({FSDP_CONFIG} + model_world_size_W_rank_R.pt): `mergeflow merge` "
+                "reads it as it is; the watcher and backfill follow verl's global_step_N/actor directories only")
     return (f"{FSDP_CONFIG} is missing in {actor_dir.name}/: --local_dir must be verl's global_step_N/actor directory "
             f"({FSDP_CONFIG}, huggingface/ and model_world_size_W_rank_R.pt files)")
 

@@ -65,7 +65,7 @@ class LoraSpec:
     adapter_name: str
     adapter_format: str  # "peft" | "diffusers"
     adapters: tuple[str, ...]
-    meta: LoraTrainMeta  # lora_train_meta.json: r, lora_alpha, task_type
+    meta: LoraTrainMeta | None  # lora_train_meta.json: r, lora_alpha, task_type (None: a DCP's LoRA, set by its adapter config)
     settings: AdapterSettings
     settings_origin: str  # where r / alpha / variants came from (a file name, never a path)
     base_model_name_or_path: str = ""
@@ -87,7 +87,7 @@ class LoraSpec:
 
     @classmethod
     def create(cls, *, layout: str, fuse: bool, adapter_name: str, adapter_format: str, adapters: list[str],
-               meta: LoraTrainMeta, settings: AdapterSettings, settings_origin: str, **extra: Any) -> LoraSpec:
+               meta: LoraTrainMeta | None, settings: AdapterSettings, settings_origin: str, **extra: Any) -> LoraSpec:
         """Build a spec from the parsed metadata and settings."""
         return cls(layout=layout, fuse=fuse, adapter_name=adapter_name, adapter_format=adapter_format,
                    adapters=tuple(sorted(adapters)), meta=meta, settings=settings,
@@ -132,6 +132,11 @@ class LoraPlan:
     @property
     def exports_adapter(self) -> bool:
         return not self.fuse
+
+    @property
+    def fused_weights(self) -> frozenset[str]:
+        """The output weights a fusion changes (empty without --fuse-lora)."""
+        return frozenset(f"{m.module}.weight" for m in self.modules) if self.fuse else frozenset()
 
     def fusion_record(self) -> JsonObject | None:
         """The manifest's `lora_fusion` record (None when nothing was fused)."""
