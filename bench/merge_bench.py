@@ -12,6 +12,7 @@ medians and ratios only; no result is compared with a fixed time.
     python bench/merge_bench.py                          # real depth: FLUX.1's 1,160 tensors, W=8, 5.3 GB
     python bench/merge_bench.py --preset 1gb             # ~1 GB in 62 tensors, W=4
     python bench/merge_bench.py --dtypes preserve        # only the preserving export
+    python bench/merge_bench.py --layout dcp             # the same model as a torch DCP (one writer)
 """
 
 from __future__ import annotations
@@ -77,8 +78,13 @@ def mergeflow_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "mergeflow", *args]
 
 
+def source_files(actor: Path) -> list[Path]:
+    """The checkpoint's data files, which the floor reads: verl's rank files, or a DCP's .distcp files."""
+    return sorted(actor.glob("model_world_size_*.pt")) or sorted(actor.glob("*.distcp"))
+
+
 def bench_dtype(actor: Path, base: Path, work: Path, dtype: str, repeats: int, env: dict[str, str]) -> tuple[list[Run], list[float]]:
-    rank_files = sorted(actor.glob("model_world_size_*.pt"))
+    rank_files = source_files(actor)
     runs, test_times = [], []
     for i in range(repeats + 1):  # run 0 warms the page cache and the server; it is not counted
         target = work / f"out-{dtype}-{i}"
@@ -106,9 +112,12 @@ def median_run(runs: list[Run]) -> Run:
     return sorted(runs, key=lambda r: r.ratio)[len(runs) // 2]
 
 
-def report(preset: Preset, nbytes: int, tensors: int, dtype: str, runs: list[Run], test_times: list[float]) -> None:
+def report(preset: Preset, nbytes: int, tensors: int, dtype: str, runs: list[Run], test_times: list[float],
+           layout: str = "verl") -> None:
     mid = median_run(runs)
-    print(f"\n{preset.name} ({tensors} tensors, W={preset.world_size}, {nbytes / 1e9:.2f} GB of rank files), --dtype {dtype}")
+    shape = f"W={preset.world_size}, {nbytes / 1e9:.2f} GB of rank files" if layout == "verl" else \
+        f"a one-writer DCP, {nbytes / 1e9:.2f} GB of .distcp"
+    print(f"\n{preset.name} ({tensors} tensors, {shape}), --dtype {dtype}")
     print(f"  floor_s {statistics.median(r.floor_s for r in runs):.2f}  cli_s {statistics.median(r.cli_s for r in runs):.2f}  "
           f"ratio {statistics.median(r.ratio for r in runs):.2f}  (runs: "
           + ", ".join(f"{r.cli_s:.1f}/{r.floor_s:.1f}" for r in runs) + ")")
@@ -130,21 +139,23 @@ def main() -> int:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="real-depth")
     parser.add_argument("--dtypes", nargs="+", default=["preserve", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--layout", choices=["verl", "dcp"], default="verl",
+                        help="verl's W rank files, or the same model as a torch DCP written by one process")
     parser.add_argument("--root", default=tempfile.gettempdir())
     parser.add_argument("--keep", action="store_true", help="keep the built checkpoint (and print where)")
     args = parser.parse_args()
     preset = PRESETS[args.preset]
     work = Path(tempfile.mkdtemp(prefix=f"bench-{preset.name}-", dir=args.root))
     try:
-        actor, base = build_checkpoint(work / "ckpt", preset)
-        nbytes = sum(p.stat().st_size for p in actor.glob("model_world_size_*.pt"))
+        actor, base = build_checkpoint(work / "ckpt", preset, args.layout)
+        nbytes = sum(p.stat().st_size for p in source_files(actor))
         with prefect_api() as api_env:
             os.environ.update(api_env)  # this process reads the task runs from the same server
             env = dict(os.environ, PREFECT_TASKS_REFRESH_CACHE="true", HF_HUB_OFFLINE="1")
             tensors = _tensor_count(base)
             for dtype in args.dtypes:
                 runs, test_times = bench_dtype(actor, base, work, dtype, args.repeats, env)
-                report(preset, nbytes, tensors, dtype, runs, test_times)
+                report(preset, nbytes, tensors, dtype, runs, test_times, args.layout)
         print("\ncli_s: the whole `mergeflow merge` process; floor: read + write + sha256 (fsync) of the rank files in one "
               "pass, measured right before each run; ratio: median of per-run cli_s / floor")
     finally:

@@ -8,15 +8,26 @@ handlers, Prefect's log and event drains), so `kill -9`, SIGINT/SIGTERM and exit
 come from it as they do from a cold start. What it skips is the import, and only where that makes
 no difference:
 
-- Prefect and huggingface_hub read their settings when they are imported. A zygote imports them
-  under exactly the environment the command would have at that moment (the caller's environment
-  plus the CLI's own pre-import defaults, `mergeflow.flows.cli.pre_import_environment`), and a
-  command is forked only from a zygote whose environment equals that, apart from MERGEFLOW_*
-  variables, which mergeflow reads when it uses them, and pytest's PYTEST_CURRENT_TEST. The child
-  runs with exactly the command's environment.
+- Prefect reads its settings when it is imported. A zygote imports it under exactly the
+  environment the command would have at that moment (the caller's environment plus the CLI's own
+  pre-import defaults, `mergeflow.flows.cli.pre_import_environment`), and a command is forked only
+  from a zygote whose environment equals that, apart from MERGEFLOW_* variables, which mergeflow
+  reads when it uses them, pytest's PYTEST_CURRENT_TEST, and HF_* variables: huggingface_hub reads
+  those when it is imported, and the zygote never imports it (checked before it serves), so a
+  forked command imports it itself, under its own environment, as a cold one does. The child runs
+  with exactly the command's environment.
+- The zygote moves what it imported out of the garbage collector's sight (`gc.freeze()`, as
+  Python's documentation advises before forking without exec): otherwise every full collection in
+  a child, the ones at interpreter shutdown included, walks and so copies on write the whole
+  inherited heap (a forked `mergeflow test` took 2 s instead of 0.5 s). Those objects stay reachable
+  from their modules for the whole command, so collecting them finds nothing while it runs;
+  everything the command itself creates is collected as usual. Only at interpreter shutdown are
+  they not swept, as nothing there is promised to be.
+- Resource limits (`rlimits=`, what a test would set in `preexec_fn`) are set in the child before
+  the command runs, for a cold start in its `preexec_fn`.
 - A command that could start its own Prefect server (no PREFECT_API_URL), `--debug` (another
-  console log level) and anything that is not `-m mergeflow` or a script in tests/ get a cold
-  `subprocess.Popen`, as before.
+  console log level) and anything that is not `-m mergeflow`, a script in tests/ or `-c CODE` get
+  a cold `subprocess.Popen`, as before.
 
 `run(...)` is `subprocess.run(..., capture_output=True, text=True)`; `popen(...)` returns an
 object with Popen's pid/poll/wait/send_signal/kill/communicate and text `stdout`/`stderr` pipes.
@@ -25,6 +36,7 @@ object with Popen's pid/poll/wait/send_signal/kill/communicate and text `stdout`
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import selectors
@@ -125,18 +137,35 @@ class ForkedCommand:
         return "".join(chunks[self.stdout]), "".join(chunks[self.stderr])
 
 
-def popen(args: list[str], env: dict[str, str], cwd: Path | str = REPO) -> ForkedCommand | subprocess.Popen[str]:
-    """Start `python ARGS` (its stdout and stderr piped, text) from a zygote where that is faithful, else cold."""
+RLimits = dict[int, tuple[int, int]]  # resource.RLIMIT_* -> (soft, hard), for resource.setrlimit
+
+
+def _set_rlimits(rlimits: RLimits) -> None:
+    import resource
+
+    for which, (soft, hard) in rlimits.items():
+        resource.setrlimit(which, (soft, hard))
+
+
+def popen(args: list[str], env: dict[str, str], cwd: Path | str = REPO,
+          rlimits: RLimits | None = None) -> ForkedCommand | subprocess.Popen[str]:
+    """Start `python ARGS` (its stdout and stderr piped, text) from a zygote where that is faithful, else cold.
+
+    `rlimits` apply to the command from its start (a cold one gets them in `preexec_fn`).
+    """
     zygote = _zygote_for(args, env)
     if zygote is None:
+        limits = dict(rlimits or {})
         return subprocess.Popen([sys.executable, *args], env=env, cwd=cwd, text=True, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    return zygote.fork(args, env, Path(cwd))
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                                preexec_fn=(lambda: _set_rlimits(limits)) if limits else None)
+    return zygote.fork(args, env, Path(cwd), rlimits or {})
 
 
-def run(args: list[str], env: dict[str, str], cwd: Path | str = REPO, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def run(args: list[str], env: dict[str, str], cwd: Path | str = REPO, timeout: float = 300,
+        rlimits: RLimits | None = None) -> subprocess.CompletedProcess[str]:
     """`subprocess.run([python, *args], capture_output=True, text=True, timeout=...)`, forked where faithful."""
-    proc = popen(args, env, cwd)
+    proc = popen(args, env, cwd, rlimits)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -147,9 +176,10 @@ def run(args: list[str], env: dict[str, str], cwd: Path | str = REPO, timeout: f
     return subprocess.CompletedProcess([sys.executable, *args], proc.returncode, out, err)
 
 
-def mergeflow(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def mergeflow(args: list[str], env: dict[str, str], timeout: float = 300,
+              rlimits: RLimits | None = None) -> subprocess.CompletedProcess[str]:
     """`python -m mergeflow ARGS` as users type it."""
-    return run(["-m", "mergeflow", *args], env, timeout=timeout)
+    return run(["-m", "mergeflow", *args], env, timeout=timeout, rlimits=rlimits)
 
 
 class _Zygote:
@@ -175,14 +205,15 @@ class _Zygote:
         self.ready.wait(120)
         return self.ready.is_set() and not self.failed and self.process.poll() is None
 
-    def fork(self, args: list[str], env: dict[str, str], cwd: Path) -> ForkedCommand:
+    def fork(self, args: list[str], env: dict[str, str], cwd: Path, rlimits: RLimits) -> ForkedCommand:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         null = os.open(os.devnull, os.O_RDONLY)
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             conn.connect(str(self.socket_path))
-            request = json.dumps({"args": args, "env": env, "cwd": str(cwd)}).encode()
+            request = json.dumps({"args": args, "env": env, "cwd": str(cwd),
+                                  "rlimits": [[which, soft, hard] for which, (soft, hard) in rlimits.items()]}).encode()
             socket.send_fds(conn, [request], [null, out_w, err_w])
         finally:
             for fd in (null, out_w, err_w):
@@ -218,9 +249,12 @@ def fork_commands_of(env: dict[str, str]) -> None:
         _FORKED_ENVIRONMENTS.add(_key(wanted))
 
 
-# Read by neither Prefect nor huggingface_hub at import: pytest rewrites PYTEST_CURRENT_TEST in every test
-# phase, so an environment captured at fixture setup would otherwise never equal a command's.
-_NOT_READ_AT_IMPORT = ("MERGEFLOW_", "PYTEST_CURRENT_TEST")
+# Not read by what the zygote imports: pytest rewrites PYTEST_CURRENT_TEST in every test phase, so an
+# environment captured at fixture setup would otherwise never equal a command's. HF_* are read by
+# huggingface_hub at import, which only ever happens in the command itself (_NEVER_PRELOADED).
+_NOT_READ_AT_IMPORT = ("MERGEFLOW_", "PYTEST_CURRENT_TEST", "HF_")
+# Modules that read HF_* when imported: a zygote that had imported one of them would serve no command.
+_NEVER_PRELOADED = ("huggingface_hub", "transformers", "diffusers", "peft")
 
 
 def _key(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
@@ -231,7 +265,8 @@ def _import_environment(args: list[str], env: dict[str, str]) -> dict[str, str] 
     """The environment the command has when it imports Prefect, or None when a cold start is the faithful one."""
     if "--debug" in args or not env.get("PREFECT_API_URL"):
         return None
-    if args[:2] != ["-m", "mergeflow"] and not (args and Path(args[0]).resolve().parent == TESTS):
+    if args[:2] != ["-m", "mergeflow"] and not (args and args[0] == "-c" and len(args) > 1) \
+            and not (args and Path(args[0]).resolve().parent == TESTS):
         return None
     from mergeflow.flows.cli import pre_import_environment
 
@@ -271,6 +306,13 @@ def _serve(socket_path: str) -> None:
     if threading.active_count() != 1:  # a fork would lose those threads' locks
         print(f"threads started while importing: {threading.enumerate()}", file=sys.stderr)
         raise SystemExit(1)
+    imported = [name for name in _NEVER_PRELOADED if name in sys.modules]
+    if imported:  # they would hold the zygote's HF_* settings, not the command's (_NOT_READ_AT_IMPORT)
+        print(f"imported while preloading, which reads HF_* at import: {imported}", file=sys.stderr)
+        raise SystemExit(1)
+    # Everything imported so far lives as long as the process: out of the collector's sight, a child's
+    # collections (at shutdown too) do not touch, and so copy, the pages of the whole inherited heap.
+    gc.freeze()
     parent = os.getppid()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(socket_path)
@@ -318,6 +360,7 @@ def _become_the_command(request: dict[str, Any], fds: list[int]) -> None:
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
+    _set_rlimits({which: (soft, hard) for which, soft, hard in request["rlimits"]})
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
@@ -326,6 +369,13 @@ def _become_the_command(request: dict[str, Any], fds: list[int]) -> None:
         sys.argv = [args[1], *args[2:]]
         sys.path[0] = request["cwd"]
         runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    elif args[0] == "-c":  # as `python -c CODE ARGS`: argv[0] "-c", the working directory first on the path
+        import types
+
+        sys.argv = ["-c", *args[2:]]
+        sys.path[0] = ""
+        main = sys.modules["__main__"] = types.ModuleType("__main__")
+        exec(compile(args[1], "<string>", "exec"), main.__dict__)
     else:
         sys.argv = list(args)
         sys.path[0] = str(Path(args[0]).resolve().parent)

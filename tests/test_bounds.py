@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import json
 import resource
-import subprocess
-import sys
 import time
 from pathlib import Path
 
+import forked_cli
 import pytest
 import torch
 from builders import (
@@ -41,7 +40,6 @@ from mergeflow.export.preflight import preflight_merge
 from mergeflow.formats.verl_checkpoint import MAX_WORLD_SIZE, rank_file_names
 
 FLUX = "FluxTransformer2DModel"
-REPO = Path(__file__).resolve().parents[1]
 HUGE_LAYERS = 10**9
 # Real model classes at their default (full) size: 514-3,510 tensors each.
 KNOWN_CLASSES = ("FluxTransformer2DModel", "SD3Transformer2DModel", "QwenImageTransformer2DModel",
@@ -237,8 +235,8 @@ def env(prefect_server) -> dict[str, str]:  # type: ignore[no-untyped-def]
     return e
 
 
-def _cap_memory() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))  # a regression fails instead of taking the machine
+# A regression fails instead of taking the machine.
+_CAP_MEMORY: forked_cli.RLimits = {resource.RLIMIT_AS: (8 << 30, 8 << 30)}
 
 
 def test_the_cli_refuses_a_huge_layer_count_in_one_line(ex: Export, env: dict[str, str]) -> None:
@@ -247,8 +245,7 @@ def test_the_cli_refuses_a_huge_layer_count_in_one_line(ex: Export, env: dict[st
     args = ["merge", "--backend", "fsdp", "--local_dir", str(ex.actor_dir), "--base_model", str(ex.base_dir),
             "--target_dir", str(target), "--output_format", "transformer"]
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "mergeflow", *args], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=120, preexec_fn=_cap_memory, check=False)
+    proc = forked_cli.mergeflow(args, env, timeout=120, rlimits=_CAP_MEMORY)
     elapsed = time.monotonic() - start
     assert proc.returncode == 2, proc.stderr
     assert elapsed < 60, f"took {elapsed:.0f} s"

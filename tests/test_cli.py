@@ -5,21 +5,21 @@ from __future__ import annotations
 import json
 import shlex
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import forked_cli
 import pytest
-from builders import leftovers, make_export, tree_digest
+from builders import Export, clone_export, leftovers, make_export, tree_digest
 
 from mergeflow.flows.cli import build_parser
 
-REPO = Path(__file__).resolve().parents[1]
+# The W=2 Flux checkpoints are copies of the session's (conftest.pristine_flux_w2, builders.clone_export), free to damage.
 
 
-def run_cli(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return forked_cli.mergeflow(args, env, timeout=timeout)
+def run_cli(args: list[str], env: dict[str, str], timeout: float = 300,
+            rlimits: forked_cli.RLimits | None = None) -> subprocess.CompletedProcess[str]:
+    return forked_cli.mergeflow(args, env, timeout=timeout, rlimits=rlimits)
 
 
 @pytest.fixture()
@@ -29,13 +29,28 @@ def env(prefect_server) -> dict[str, str]:  # type: ignore[no-untyped-def]
     return e
 
 
+def remembered(ex: Export) -> Export:
+    """`ex`, its model schema put in this session's cache (MERGEFLOW_CACHE_DIR, which commands inherit).
+
+    Built here, where make_export already imported Diffusers, rather than in each command, which would
+    import it again (3-5 s) to reach the same answer: model_schema never depends on the cache
+    (tests/test_schema_cache.py). Which test of a worker's session merges a model first is otherwise
+    a matter of scheduling.
+    """
+    from mergeflow.architectures.adapters import diffusers_schema
+
+    diffusers_schema(json.loads((ex.actor_dir / "huggingface" / "config.json").read_text()),
+                     json.loads((ex.base_dir / "config.json").read_text()))
+    return ex
+
+
 def merge_args(ex, target: Path, *extra: str) -> list[str]:  # type: ignore[no-untyped-def]
     return ["merge", "--backend", "fsdp", "--local_dir", str(ex.actor_dir), "--target_dir", str(target),
             "--base_model", str(ex.base_dir), "--output_format", "transformer", *extra]
 
 
 def test_merge_then_test_print_one_json_line(tmp_path: Path, env: dict[str, str]) -> None:
-    ex = make_export(tmp_path, "FluxTransformer2DModel", 3)
+    ex = remembered(make_export(tmp_path, "FluxTransformer2DModel", 3))
     target = tmp_path / "out"
     proc = run_cli(merge_args(ex, target), env)
     assert proc.returncode == 0, proc.stderr
@@ -48,8 +63,8 @@ def test_merge_then_test_print_one_json_line(tmp_path: Path, env: dict[str, str]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"integrity": "passed", "architecture": "FluxTransformer2DModel"}
 
 
-def test_bad_input_is_one_line_and_nonzero(tmp_path: Path, env: dict[str, str]) -> None:
-    ex = make_export(tmp_path, "FluxTransformer2DModel", 2)
+def test_bad_input_is_one_line_and_nonzero(tmp_path: Path, env: dict[str, str], pristine_flux_w2: Export) -> None:
+    ex = clone_export(pristine_flux_w2, tmp_path)
     (ex.actor_dir / "model_world_size_2_rank_1.pt").unlink()
     proc = run_cli(merge_args(ex, tmp_path / "out"), env)
     assert proc.returncode == 2
@@ -61,8 +76,8 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path: Path, env: dict[str, str]) 
     assert proc.returncode == 2 and "Traceback" in proc.stderr
 
 
-def test_test_command_fails_on_a_changed_byte(tmp_path: Path, env: dict[str, str]) -> None:
-    ex = make_export(tmp_path, "FluxTransformer2DModel", 2)
+def test_test_command_fails_on_a_changed_byte(tmp_path: Path, env: dict[str, str], pristine_flux_w2: Export) -> None:
+    ex = remembered(clone_export(pristine_flux_w2, tmp_path))
     target = tmp_path / "out"
     assert run_cli(merge_args(ex, target), env).returncode == 0
     weights = target / "diffusion_pytorch_model.safetensors"
@@ -74,7 +89,7 @@ def test_test_command_fails_on_a_changed_byte(tmp_path: Path, env: dict[str, str
 
 
 def test_two_concurrent_merges_to_one_target_publish_once(tmp_path: Path, env: dict[str, str]) -> None:
-    ex = make_export(tmp_path, "SD3Transformer2DModel", 4)
+    ex = remembered(make_export(tmp_path, "SD3Transformer2DModel", 4))
     target = tmp_path / "out"
     results: list[subprocess.CompletedProcess[str]] = []
 
@@ -150,10 +165,10 @@ def test_every_reference_flag_is_accepted() -> None:
         parser.parse_args(["merge", "--backend", "megatron"])
 
 
-def test_merge_uploads_to_a_hub_and_reports_it(tmp_path: Path, env: dict[str, str]) -> None:
+def test_merge_uploads_to_a_hub_and_reports_it(tmp_path: Path, env: dict[str, str], pristine_flux_w2: Export) -> None:
     from hub_server import LocalHubServer
 
-    ex = make_export(tmp_path, "FluxTransformer2DModel", 2)
+    ex = remembered(clone_export(pristine_flux_w2, tmp_path))
     target = tmp_path / "out"
     with LocalHubServer() as hub:
         hub_env = dict(env, HF_ENDPOINT=hub.base_url, HF_HUB_OFFLINE="0", HF_HUB_DISABLE_XET="1", HF_TOKEN="hf_" + "x" * 30)
@@ -199,20 +214,16 @@ def _read_artifact(api_url: str, key: str):  # type: ignore[no-untyped-def]
     return found[0]
 
 
-def test_disk_full_is_one_line_and_keeps_the_staging_for_resume(tmp_path: Path, env: dict[str, str]) -> None:
+def test_disk_full_is_one_line_and_keeps_the_staging_for_resume(tmp_path: Path, env: dict[str, str],
+                                                                 pristine_flux_w2: Export) -> None:
     """A file-size limit makes the shard write fail like a full disk (EFBIG instead of ENOSPC)."""
     import resource
-    import signal
 
-    ex = make_export(tmp_path, "FluxTransformer2DModel", 2)
+    ex = remembered(clone_export(pristine_flux_w2, tmp_path))
     target = tmp_path / "out"
-
-    def limit() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
-
-    proc = subprocess.run([sys.executable, "-m", "mergeflow", *merge_args(ex, target)], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=300, preexec_fn=limit)
+    # The limit is set in the command before it runs (forked_cli). No SIGXFSZ to ignore by hand: Python
+    # ignores it from start-up on, cold or forked, so a write past the limit fails with EFBIG.
+    proc = run_cli(merge_args(ex, target), env, rlimits={resource.RLIMIT_FSIZE: (100_000, 100_000)})
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("mergeflow: 0 tensors")]
     assert lines[-1].startswith("mergeflow: error: no space left") and "resume" in lines[-1], proc.stderr

@@ -11,7 +11,7 @@ from typing import Any
 
 import forked_cli
 import pytest
-from builders import make_export
+from builders import Export, clone_export
 
 from mergeflow.export.artifact_check import check_artifact
 
@@ -35,19 +35,21 @@ def _final_state(server: Any, run_id: str, timeout: float = 30.0) -> Any:
             state = asyncio.run(read())
             if (state is not None and state.is_final()) or time.monotonic() > deadline:
                 return state
-            time.sleep(0.5)
+            time.sleep(0.1)  # a crashed run's final state lands a moment after the process ends
 
 
 def merge_args(ex: Any, target: Path) -> list[str]:
+    # Small shards (the 272 kB output in a dozen or more): the first shard record, which the signal waits
+    # for, is written after a few slowed tensors, and many shards are still to write when it lands.
     return ["merge", "--backend", "fsdp", "--local_dir", str(ex.actor_dir), "--base_model", str(ex.base_dir),
-            "--target_dir", str(target), "--output_format", "transformer", "--max_shard_size", "60000"]
+            "--target_dir", str(target), "--output_format", "transformer", "--max_shard_size", "20000"]
 
 
 @pytest.mark.parametrize("signum,times,status", [(signal.SIGINT, 1, 130), (signal.SIGINT, 2, 130), (signal.SIGTERM, 1, 143)],
                          ids=["ctrl-c", "ctrl-c-twice", "sigterm"])
-def test_an_interrupted_export_ends_with_one_line_and_resumes(tmp_path: Path, prefect_server: Any, signum: int, times: int,
-                                                              status: int) -> None:
-    ex = make_export(tmp_path, "FluxTransformer2DModel", 2)
+def test_an_interrupted_export_ends_with_one_line_and_resumes(tmp_path: Path, prefect_server: Any, pristine_flux_w2: Export,
+                                                              signum: int, times: int, status: int) -> None:
+    ex = clone_export(pristine_flux_w2, tmp_path)  # the real W=2 checkpoint, copied: no torch build per test
     target = tmp_path / "out"
     env = prefect_server.client_env()
     # Every written tensor slowed down (tests/slow_cli.py), so the signal lands mid-write.
@@ -96,10 +98,10 @@ def _wait_until_writing(proc: Any, root: Path) -> None:
     assert proc.poll() is None, f"finished before the signal: {proc.communicate()[1][-2000:]!r}"
 
 
-def test_ctrl_c_without_a_server_is_one_line_too(tmp_path: Path) -> None:
+def test_ctrl_c_without_a_server_is_one_line_too(tmp_path: Path, pristine_flux_w2: Export) -> None:
     """No PREFECT_API_URL and no background server: Prefect's temporary per-command server dies with
     the Ctrl-C (it is in the command's process group); the export still ends with one line and 130."""
-    ex = make_export(tmp_path, "FluxTransformer2DModel", 2)
+    ex = clone_export(pristine_flux_w2, tmp_path)
     target = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false", MERGEFLOW_LOCAL_SERVER="0")

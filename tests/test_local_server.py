@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import httpx
-from builders import make_export
+from builders import Export, clone_export
 
 from mergeflow.flows import local_server
 
@@ -39,8 +39,8 @@ def port_open(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
-def test_second_merge_reuses_the_background_server(tmp_path: Path) -> None:
-    ex = make_export(tmp_path, "FluxTransformer2DModel", 2)
+def test_second_merge_reuses_the_background_server(tmp_path: Path, pristine_flux_w2: Export) -> None:
+    ex = clone_export(pristine_flux_w2, tmp_path)  # the real W=2 checkpoint, copied: no torch build here
     home = tmp_path / "prefect-home"
     env = newcomer_env(home)
     merge = ["merge", "--backend", "fsdp", "--local_dir", str(ex.actor_dir), "--base_model", str(ex.base_dir),

@@ -12,7 +12,7 @@ from typing import Any
 
 import forked_cli
 import pytest
-from builders import make_export, output_state
+from builders import Export, clone_export, output_state
 from rich.console import Console
 
 from mergeflow.export.progress import (
@@ -242,8 +242,8 @@ def test_a_terminal_gets_a_rich_progress_bar(monkeypatch: pytest.MonkeyPatch) ->
 # --- the command line and the UI -----------------------------------------------------------------
 
 
-def test_the_cli_prints_the_phases_to_a_pipe(tmp_path: Path, prefect_server: Any) -> None:
-    ex = make_export(tmp_path, "FluxTransformer2DModel", 2)
+def test_the_cli_prints_the_phases_to_a_pipe(tmp_path: Path, prefect_server: Any, pristine_flux_w2: Export) -> None:
+    ex = clone_export(pristine_flux_w2, tmp_path)  # the real W=2 checkpoint, copied: no torch build here
     target = tmp_path / "out"
     env = {**prefect_server.client_env(), "HF_HUB_OFFLINE": "1"}
     proc = forked_cli.mergeflow(["merge", "--backend", "fsdp", "--local_dir", str(ex.actor_dir), "--target_dir", str(target),
@@ -289,13 +289,13 @@ def _progress_of(run_id: Any) -> Any:
     return found[0]
 
 
-def test_the_progress_artifact_ends_at_the_bytes_written(tmp_path: Path, prefect_api: object) -> None:
+def test_the_progress_artifact_ends_at_the_bytes_written(tmp_path: Path, prefect_api: object, pristine_flux_w2: Export) -> None:
     from prefect.context import TaskRunContext
 
     from mergeflow import merge_model
     from mergeflow.errors import MergeflowError
 
-    ex = make_export(tmp_path, "FluxTransformer2DModel", 2)
+    ex = clone_export(pristine_flux_w2, tmp_path)
     writes: list[tuple[Any, int]] = []  # (flow run, bytes) of every tensor written
 
     def record(nbytes: int, ntensors: int) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import forked_cli
 import pytest
-from builders import assert_bit_exact, make_export, output_state, tree_digest
+from builders import Export, assert_bit_exact, clone_export, output_state, tree_digest
 from prefect_runs import latest_flow_run, shard_states, task_runs
 
 from mergeflow import merge_model, validate_artifact
@@ -24,6 +24,7 @@ from mergeflow.io.staging import list_staging
 
 TESTS = Path(__file__).parent
 SHARD = 60_000  # the tiny Flux (~270 KB) splits into several shards
+# Each test merges its own copy of the session's W=2 Flux checkpoint (conftest.pristine_flux_w2, builders.clone_export).
 
 
 def corrupt_one_shard_before_validation(monkeypatch: pytest.MonkeyPatch, index: int) -> list[Path]:
@@ -60,8 +61,9 @@ def shard_names(target: Path) -> list[str]:
 
 
 def test_failed_validation_keeps_staging_and_a_fresh_run_reuses_shards(tmp_path: Path, prefect_api: Any,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    ex = make_export(tmp_path, "FluxTransformer2DModel", 2)
+                                                                       monkeypatch: pytest.MonkeyPatch,
+                                                                       pristine_flux_w2: Export) -> None:
+    ex = clone_export(pristine_flux_w2, tmp_path)
     reference = Path(merge_model(ex.config(tmp_path / "reference", max_shard_size=SHARD)).output_dir)
     names = shard_names(reference)
     assert len(names) >= 4
@@ -98,10 +100,11 @@ def test_failed_validation_keeps_staging_and_a_fresh_run_reuses_shards(tmp_path:
     assert validate_artifact(out)["integrity"] == "passed"
 
 
-def test_retry_of_the_same_flow_run_reuses_shards(tmp_path: Path, prefect_api: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_retry_of_the_same_flow_run_reuses_shards(tmp_path: Path, prefect_api: Any, monkeypatch: pytest.MonkeyPatch,
+                                                  pristine_flux_w2: Export) -> None:
     from prefect.settings import PREFECT_API_URL, PREFECT_LOCAL_STORAGE_PATH
 
-    ex = make_export(tmp_path, "FluxTransformer2DModel", 2)
+    ex = clone_export(pristine_flux_w2, tmp_path)
     target = tmp_path / "retried"
     config = ex.config(target, max_shard_size=SHARD)
     hit = corrupt_one_shard_before_validation(monkeypatch, 1)
@@ -133,8 +136,9 @@ def _merge_args(ex: Any, target: Path) -> list[str]:
             "--target_dir", str(target), "--output_format", "transformer", "--max_shard_size", str(SHARD), "--workers", "1"]
 
 
-def test_merge_killed_mid_write_resumes_byte_identical(tmp_path: Path, prefect_server: Any, prefect_api: Any) -> None:
-    ex = make_export(tmp_path, "FluxTransformer2DModel", 2)
+def test_merge_killed_mid_write_resumes_byte_identical(tmp_path: Path, prefect_server: Any, prefect_api: Any,
+                                                       pristine_flux_w2: Export) -> None:
+    ex = clone_export(pristine_flux_w2, tmp_path)
     reference = Path(merge_model(ex.config(tmp_path / "reference", max_shard_size=SHARD)).output_dir)
     target = tmp_path / "killed"
     env = prefect_server.client_env()
@@ -171,17 +175,25 @@ def test_merge_killed_mid_write_resumes_byte_identical(tmp_path: Path, prefect_s
     assert list(states.values()).count("Cached") >= finished, states
 
 
-def test_dask_local_cluster_gives_a_byte_identical_artifact(tmp_path: Path, prefect_api: Any) -> None:
+def test_dask_local_cluster_gives_a_byte_identical_artifact(tmp_path: Path, prefect_api: Any, pristine_flux_w2: Export) -> None:
     from distributed import LocalCluster
 
-    ex = make_export(tmp_path, "FluxTransformer2DModel", 2)
+    ex = clone_export(pristine_flux_w2, tmp_path)
     threaded = Path(merge_model(ex.config(tmp_path / "threads", max_shard_size=SHARD)).output_dir)
-    with LocalCluster(n_workers=2, processes=True, threads_per_worker=1, dashboard_address=None) as cluster:
-        result = merge_model(ex.config(tmp_path / "dask", max_shard_size=SHARD), task_runner="dask",
-                             dask_address=cluster.scheduler_address)
-        with cluster.get_client() as client:
-            # Only a task that ran in a worker process makes it import the shard writer.
-            ran_there = client.run(lambda: __import__("sys").modules.get("mergeflow.export.shard_writer") is not None)
+    # Each Nanny writes its workers' environment into this process's os.environ before spawning them
+    # (OMP_NUM_THREADS=1, PYTHONHASHSEED, __DASK_PARENT_PID, ...) and never restores it: left there, every
+    # later command of this session would run with it, and none could be forked (tests/forked_cli.py).
+    environ = dict(os.environ)
+    try:
+        with LocalCluster(n_workers=2, processes=True, threads_per_worker=1, dashboard_address=None) as cluster:
+            result = merge_model(ex.config(tmp_path / "dask", max_shard_size=SHARD), task_runner="dask",
+                                 dask_address=cluster.scheduler_address)
+            with cluster.get_client() as client:
+                # Only a task that ran in a worker process makes it import the shard writer.
+                ran_there = client.run(lambda: __import__("sys").modules.get("mergeflow.export.shard_writer") is not None)
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
     assert len(ran_there) == 2 and any(ran_there.values())
     out = Path(result.output_dir)
     assert tree_digest(out) == tree_digest(threaded)

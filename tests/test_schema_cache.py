@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
+import forked_cli
 import pytest
 
 from mergeflow.architectures.schema import model_schema
@@ -55,12 +54,19 @@ def test_an_unbuildable_config_is_refused_and_not_remembered(cache_dir: Path) ->
     assert not (cache_dir / "schemas").exists() or not list((cache_dir / "schemas").iterdir())
 
 
-def test_a_remembered_schema_needs_no_diffusers_import(cache_dir: Path) -> None:
+def test_a_remembered_schema_needs_no_diffusers_import(cache_dir: Path, prefect_server: Any) -> None:
     code = ("import json, sys; from mergeflow.architectures.schema import model_schema; "
             f"s = model_schema({FLUX!r}, json.loads(sys.argv[1])); "
             "print(len(s.tensors), 'diffusers' in sys.modules)")
-    env = dict(os.environ)
-    runs = [subprocess.run([sys.executable, "-c", code, json.dumps(_config())], env=env, capture_output=True, text=True,
-                           check=True).stdout.split() for _ in range(2)]
+    # The session server's client environment (the code never talks to it) lets tests/forked_cli.py fork
+    # both runs from its pre-imported interpreter instead of importing torch cold twice. That one never
+    # imports Diffusers (it refuses to serve if anything it preloads does), so each run imports it, or
+    # not, itself, exactly as a fresh `python -c` does.
+    env = prefect_server.client_env()
+    runs = []
+    for _ in range(2):
+        proc = forked_cli.run(["-c", code, json.dumps(_config())], env)
+        assert proc.returncode == 0, proc.stderr
+        runs.append(proc.stdout.split())
     assert runs[0][0] == runs[1][0]
     assert runs[0][1] == "True" and runs[1][1] == "False"

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from builders import assert_bit_exact, make_export, output_state, tree_digest
+from builders import Export, assert_bit_exact, clone_export, output_state, tree_digest
 from prefect_runs import flow_runs
 
 from mergeflow import validate_artifact
@@ -47,7 +47,7 @@ def wait_for(predicate: Any, timeout: float, what: str, proc: subprocess.Popen[b
             return value
         if proc is not None and proc.poll() is not None:
             break
-        time.sleep(0.5)
+        time.sleep(0.1)  # each check is one cheap API read; a run's end is seen within 0.1 s
     tail = log.read_text(errors="replace")[-4000:] if log and log.exists() else ""
     raise AssertionError(f"timed out waiting for {what}\n{tail}")
 
@@ -67,9 +67,9 @@ def _stop_group(proc: subprocess.Popen[bytes]) -> None:
 
 
 @pytest.fixture()
-def served(tmp_path: Path, prefect_server: Any, prefect_api: Any) -> Iterator[dict[str, Any]]:
+def served(tmp_path: Path, prefect_server: Any, prefect_api: Any, pristine_flux_w2: Export) -> Iterator[dict[str, Any]]:
     """`python -m mergeflow serve` in its own process group, stopped (with its flow runs) at the end."""
-    ex = make_export(tmp_path, "FluxTransformer2DModel", 2)
+    ex = clone_export(pristine_flux_w2, tmp_path)  # the real W=2 checkpoint, copied: no torch build here
     root = tmp_path / "exports"
     root.mkdir()
     env = prefect_server.client_env()
@@ -109,6 +109,18 @@ def copy_slowly(src: Path, dst: Path) -> None:
     (dst.parent.parent / "latest_checkpointed_iteration.txt").write_text(dst.parent.name.removeprefix("global_step_"))
 
 
+def _final_state(run_id: Any) -> Any:
+    """The flow run's state once final, else None."""
+    from prefect.client.orchestration import get_client
+
+    async def read() -> Any:
+        async with get_client() as client:
+            return (await client.read_flow_run(run_id)).state
+
+    state = asyncio.run(read())
+    return state if state is not None and state.is_final() else None
+
+
 async def _served_backfill() -> tuple[Any, list[Any]]:
     """The backfill deployment as serve registered it, and the automations that would start it (none)."""
     from prefect.client.orchestration import get_client
@@ -133,9 +145,9 @@ def test_event_and_watcher_start_merges_validate_and_backfill_run_alone(tmp_path
     assert_bit_exact(ex.actor.state_dict(), output_state(target))
     assert validate_artifact(target)["integrity"] == "passed"
 
-    # 2. The validate deployment reruns validation alone.
-    run = run_deployment(VALIDATE, parameters={"test_hf_dir": str(target)}, timeout=180, poll_interval=1)
-    assert run.state is not None and run.state.is_completed(), run.state
+    # 2. The validate deployment reruns validation alone. Requested now and checked after step 3: the
+    # runner's start of it (a fresh interpreter) overlaps the slow copy the watcher waits out.
+    validation = run_deployment(VALIDATE, parameters={"test_hf_dir": str(target)}, timeout=0)
 
     # 3. The watcher sees a checkpoint written slowly, emits one event, and that becomes a merge too.
     train = tmp_path / "run-b"
@@ -153,6 +165,8 @@ def test_event_and_watcher_start_merges_validate_and_backfill_run_alone(tmp_path
     finally:
         stop.set()
         watcher.join(timeout=15)
+    validated = wait_for(lambda: _final_state(validation.id), 180, "the validate run", served["proc"], served["log"])
+    assert validated.is_completed(), validated
     assert [c.step for c in emitted] == [2]
     assert validate_artifact(root / "run-b" / "global_step_2")["integrity"] == "passed"
     assert len(flow_runs(deployment_id=deployment.id)) == 2  # exactly one run per checkpoint
@@ -170,7 +184,7 @@ def test_event_and_watcher_start_merges_validate_and_backfill_run_alone(tmp_path
     shutil.copytree(ex.actor_dir, train / "global_step_3" / "actor")
     (train / "latest_checkpointed_iteration.txt").write_text("3")
     published = tree_digest(root / "run-b" / "global_step_2")
-    run = run_deployment(BACKFILL, parameters={"train_dir": str(train), "stable_seconds": 0}, timeout=240, poll_interval=1)
+    run = run_deployment(BACKFILL, parameters={"train_dir": str(train), "stable_seconds": 0}, timeout=240, poll_interval=0.2)
     assert run.state is not None and run.state.is_completed(), (run.state, served["log"].read_text(errors="replace")[-3000:])
     assert run.name == "backfill-run-b"
     step3 = root / "run-b" / "global_step_3"

@@ -14,6 +14,7 @@ from lora_builders import ATTN_TARGETS, build_lora_checkpoint
 from peft import LoraConfig
 
 from mergeflow import merge_model
+from mergeflow.architectures.adapters import diffusers_schema
 from mergeflow.demo.checkpoints import (
     build_transformer,
     save_base_transformer,
@@ -49,6 +50,11 @@ def manifest_of(target: Path) -> dict:  # type: ignore[type-arg]
 
 def test_an_export_equal_to_its_base_is_refused_then_allowed(tmp_path: Path, prefect_server) -> None:  # type: ignore[no-untyped-def]
     ex = unchanged_export(tmp_path)
+    # Its model schema in this session's cache (MERGEFLOW_CACHE_DIR, which the commands inherit), built here
+    # where Diffusers is imported already, not in the command, which would import it (3-5 s) for the same
+    # answer: model_schema never depends on the cache (tests/test_schema_cache.py).
+    diffusers_schema(json.loads((ex.actor_dir / "huggingface" / "config.json").read_text()),
+                     json.loads((ex.base_dir / "config.json").read_text()))
     env = {**prefect_server.client_env(), "HF_HUB_OFFLINE": "1"}
     target = tmp_path / "out"
     refused = cli_merge(ex, target, env)

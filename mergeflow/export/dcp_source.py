@@ -7,8 +7,6 @@ reconstruct path as verl's rank files, so there is one way to rebuild and round-
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -28,6 +26,7 @@ from mergeflow.formats.dcp import (
     open_dcp,
 )
 from mergeflow.io.fs import FileStamp
+from mergeflow.io.stamped_cache import StampedCache
 from mergeflow.records import TensorLayout
 
 
@@ -43,41 +42,28 @@ def dcp_layouts(checkpoint: DcpCheckpoint) -> dict[str, TensorLayout]:
 
 
 class DcpSources:
-    """Parsed DCP checkpoints shared by the tasks of one process, keyed by the `.metadata` stamp.
+    """Parsed DCP checkpoints shared by the tasks of one process, keyed by the `.metadata` stamp:
+    `.metadata` is parsed once per export instead of once per shard task."""
 
-    Parsing `.metadata` once per export instead of once per shard task; a rewritten `.metadata`
-    misses, and a state parsed only under --trust-checkpoint is never handed to an export without it.
-    """
-
-    _cache: OrderedDict[tuple[str, FileStamp, bool], DcpChunks] = OrderedDict()
-    _lock = threading.Lock()
-    _capacity = 8
+    _cache: StampedCache[DcpChunks] = StampedCache(capacity=8)
 
     @classmethod
     def chunks(cls, directory: Path, *, trust_checkpoint: bool = False) -> DcpChunks:
         stamp = FileStamp.of(directory / METADATA)
-        key = (str(directory), stamp, trust_checkpoint)
-        with cls._lock:
-            cached = cls._cache.get(key)
-            if cached is not None:
-                cls._cache.move_to_end(key)
-                return cached
-        chunks = DcpChunks(open_dcp(directory, trust_checkpoint=trust_checkpoint))
-        if FileStamp.of(directory / METADATA) != stamp:
-            raise InputChangedError(f"{METADATA} in {directory.name}/ changed while it was read; "
-                                    "wait until the save has finished")
-        with cls._lock:
-            cls._cache[key] = chunks
-            while len(cls._cache) > cls._capacity:
-                cls._cache.popitem(last=False)
-        return chunks
+
+        def load() -> DcpChunks:
+            chunks = DcpChunks(open_dcp(directory, trust_checkpoint=trust_checkpoint))
+            if FileStamp.of(directory / METADATA) != stamp:
+                raise InputChangedError(f"{METADATA} in {directory.name}/ changed while it was read; "
+                                        "wait until the save has finished")
+            return chunks
+
+        return cls._cache.get_or_load((str(directory), stamp, trust_checkpoint), load)
 
     @classmethod
     def forget(cls, directory: Path) -> None:
         """Drop a checkpoint's parsed metadata once its export is over (a long-running `serve`)."""
-        with cls._lock:
-            for key in [k for k in cls._cache if k[0] == str(directory)]:
-                del cls._cache[key]
+        cls._cache.forget(lambda path: path == str(directory))
 
 
 def check_keys(checkpoint: DcpCheckpoint, expected: dict[str, tuple[int, ...]]) -> None:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import threading
-from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
@@ -19,6 +17,7 @@ from mergeflow.formats.rank_files import load_rank_state, local_tensor
 from mergeflow.formats.rank_pickle import StateDict
 from mergeflow.formats.safetensors_format import torch_dtype
 from mergeflow.io.fs import FileStamp
+from mergeflow.io.stamped_cache import StampedCache
 from mergeflow.records import MergePlan, TensorLayout, TensorWrite
 
 FLOATING = {"float64", "float32", "float16", "bfloat16"}
@@ -39,11 +38,7 @@ class PieceSource(Protocol):
 class RankStates:
     """The rank files of one checkpoint, opened with mmap (no private memory) and shared."""
 
-    # Keyed by stamp (a rewritten file misses) and by trust: a state that only loaded with
-    # --trust-checkpoint is never handed to an export that did not pass it.
-    _cache: "OrderedDict[tuple[str, FileStamp, bool], StateDict]" = OrderedDict()
-    _lock = threading.Lock()
-    _capacity = 64
+    _cache: StampedCache[StateDict] = StampedCache(capacity=64)
 
     def __init__(self, actor_dir: Path, rank_files: tuple[str, ...], *, trust_checkpoint: bool = False) -> None:
         self.paths = [actor_dir / name for name in rank_files]
@@ -51,18 +46,8 @@ class RankStates:
 
     def state(self, rank: int) -> StateDict:
         path = self.paths[rank]
-        key = (str(path), FileStamp.of(path), self.trust)
-        with self._lock:
-            cached = self._cache.get(key)
-            if cached is not None:
-                self._cache.move_to_end(key)
-                return cached
-        state = load_rank_state(path, trust_checkpoint=self.trust)
-        with self._lock:
-            self._cache[key] = state
-            while len(self._cache) > self._capacity:
-                self._cache.popitem(last=False)
-        return state
+        return self._cache.get_or_load((str(path), FileStamp.of(path), self.trust),
+                                       lambda: load_rank_state(path, trust_checkpoint=self.trust))
 
     @classmethod
     def forget(cls, actor_dir: Path) -> None:
@@ -72,10 +57,7 @@ class RankStates:
         mapped, and the disk space of checkpoints that training deletes is only freed
         when the last mapping goes.
         """
-        prefix = str(actor_dir)
-        with cls._lock:
-            for key in [k for k in cls._cache if str(Path(k[0]).parent) == prefix]:
-                del cls._cache[key]
+        cls._cache.forget(lambda path: str(Path(path).parent) == str(actor_dir))
 
     def local(self, rank: int, key: str) -> torch.Tensor:
         try:

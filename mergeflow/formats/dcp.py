@@ -31,7 +31,7 @@ from mergeflow.errors import (
     UnsafeCheckpointError,
 )
 from mergeflow.formats import dcp_pickle
-from mergeflow.formats.checkpoint_dir import (
+from mergeflow.formats.dcp_layout import (
     METADATA,
     SUFFIX,
     dcp_files,

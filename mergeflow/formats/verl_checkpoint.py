@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mergeflow.errors import CheckpointError
+from mergeflow.formats.dcp_layout import not_a_dcp_dir
 from mergeflow.io.jsonfiles import read_json_strict
 
 RANK_FILE_RE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
@@ -47,9 +48,6 @@ def _not_a_checkpoint_dir(actor_dir: Path) -> str | None:
     if steps:
         return (f"{actor_dir.name}/ is a training run's output ({len(steps)} checkpoint(s)), not one checkpoint: pass "
                 f"--local_dir {steps[-1] / 'actor'} (the latest), or watch/backfill the run")
-    # The DCP layout's own words for a half-written DCP (imported here: checkpoint_dir imports this module).
-    from mergeflow.formats.checkpoint_dir import not_a_dcp_dir
-
     unfinished = not_a_dcp_dir(actor_dir)
     if unfinished:
         return unfinished

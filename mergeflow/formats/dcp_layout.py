@@ -1,0 +1,39 @@
+"""The files of a torch Distributed Checkpoint (DCP) directory, from the listing alone (no torch import).
+
+torch's FileSystemWriter (torch/distributed/checkpoint/filesystem.py) writes one `__R_0.distcp`
+per writing rank and, last, `.metadata`: a directory with `.distcp` files but no `.metadata` is a
+save that did not finish.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+METADATA = ".metadata"
+SUFFIX = ".distcp"
+
+
+def is_dcp_dir(path: Path) -> bool:
+    """A finished DCP: `.metadata` beside at least one `*.distcp`."""
+    return (path / METADATA).is_file() and any(path.glob(f"*{SUFFIX}"))
+
+
+def not_a_dcp_dir(path: Path) -> str | None:
+    """Why `path` is not a readable DCP directory, in words that say what each layout needs; None if it
+    is one, or holds no DCP file at all."""
+    has_metadata = (path / METADATA).exists()
+    has_chunks = any(path.glob(f"*{SUFFIX}"))
+    if has_metadata and has_chunks:
+        return None
+    if has_chunks:
+        return (f"{path.name}/ is a DCP checkpoint without {METADATA}: the save did not finish (torch writes "
+                f"{METADATA} last); wait for it or copy the checkpoint again")
+    if has_metadata:
+        return (f"{path.name}/ holds {METADATA} but no *{SUFFIX} file: a DCP checkpoint needs both; "
+                "copy the whole directory")
+    return None
+
+
+def dcp_files(directory: Path) -> tuple[str, ...]:
+    """A DCP's files as the manifest lists them: `.metadata`, then every `.distcp` in name order."""
+    return (METADATA, *sorted(p.name for p in directory.glob(f"*{SUFFIX}")))
