@@ -20,6 +20,7 @@ from mergeflow.errors import BaseModelError, CheckpointError, UsageError
 from mergeflow.export.dcp_source import DcpSources
 from mergeflow.export.reconstruct import PieceSource, RankStates
 from mergeflow.formats.checkpoint_dir import CheckpointFormat, format_of
+from mergeflow.formats.dcp_layout import NO_MODEL_CONFIG
 from mergeflow.formats.manifest import (
     BASE_CONFIG_PREFIX,
     FLAG_CONFIG_PATH,
@@ -79,8 +80,7 @@ def model_config_source(config: ModelMergerConfig, fmt: CheckpointFormat, config
         return ModelConfigSource(config_dir / "config.json", FLAG_CONFIG_PATH,
                                  "config.json of --hf_model_config_path", CheckpointError)
     if base is None:
-        raise UsageError("a DCP checkpoint carries no model config: pass a local --base_model (its transformer's "
-                         "config.json is used) or --hf_model_config_path DIR (a directory holding the model's config.json)")
+        raise UsageError(NO_MODEL_CONFIG)
     path = detect_base(base, config.component).transformer_dir / "config.json"
     relative = path.relative_to(base).as_posix()
     return ModelConfigSource(path, BASE_CONFIG_PREFIX + relative, f"{relative} of the base", BaseModelError)

@@ -25,6 +25,7 @@ from mergeflow.errors import (
     UsageError,
 )
 from mergeflow.formats.checkpoint_dir import format_of, listed_files
+from mergeflow.formats.dcp_layout import NO_MODEL_CONFIG
 from mergeflow.formats.verl_checkpoint import (
     LORA_META,
     rank_file_names,
@@ -86,12 +87,17 @@ def preflight_merge(config: ModelMergerConfig) -> list[Path]:
     return rank_files
 
 
-def _check_lora_flags(config: ModelMergerConfig, has_meta: bool) -> None:
-    """LoRA flags the flow refuses whatever the rank files hold."""
+def _check_lora_flag_values(config: ModelMergerConfig) -> None:
+    """LoRA flags that contradict each other or name no file: refused whatever the checkpoint holds."""
     if config.fuse_lora and config.adapter_format != "peft":
         raise UsageError("--adapter-format chooses how an adapter is exported; with --fuse-lora no adapter is written")
     if config.adapter_config and not Path(config.adapter_config).expanduser().is_file():
         raise UsageError(f"--adapter-config {config.adapter_config} is not a file")
+
+
+def _check_lora_flags(config: ModelMergerConfig, has_meta: bool) -> None:
+    """LoRA flags the flow refuses whatever the rank files hold."""
+    _check_lora_flag_values(config)
     if has_meta:
         return
     # Without lora_train_meta.json the flow refuses LoRA flags: either the checkpoint has no
@@ -121,10 +127,7 @@ def _preflight_dcp(config: ModelMergerConfig, actor: Path) -> None:
     """A DCP: whether it holds LoRA is in `.metadata` (a pickle, read by the flow), so only what every
     branch checks: the LoRA flags' own consistency, target and overlaps, and a local base's layout and
     classes (the model config is --hf_model_config_path's, else the base's own)."""
-    if config.fuse_lora and config.adapter_format != "peft":
-        raise UsageError("--adapter-format chooses how an adapter is exported; with --fuse-lora no adapter is written")
-    if config.adapter_config and not Path(config.adapter_config).expanduser().is_file():
-        raise UsageError(f"--adapter-config {config.adapter_config} is not a file")
+    _check_lora_flag_values(config)
     target = check_target(Path(config.target_dir or ""))
     check_no_overlap({"--local_dir": actor, "--target_dir": target})
     base_arg = Path(config.base_model or "").expanduser()
@@ -133,8 +136,7 @@ def _preflight_dcp(config: ModelMergerConfig, actor: Path) -> None:
         check_no_overlap({"--hf_model_config_path": cfg_dir, "--target_dir": target})
     if not base_arg.is_dir():
         if cfg_dir is None:  # the flow could not plan either: a DCP carries no model config
-            raise UsageError("a DCP checkpoint carries no model config: pass a local --base_model (its transformer's "
-                             "config.json is used) or --hf_model_config_path DIR (a directory holding the model's config.json)")
+            raise UsageError(NO_MODEL_CONFIG)
         return  # a Hub id: only a LoRA-only adapter export can take it, which the flow decides
     base = base_arg.resolve()
     check_no_overlap({"--local_dir": actor, "--base_model": base, "--target_dir": target})

@@ -11,6 +11,9 @@ from pathlib import Path
 
 METADATA = ".metadata"
 SUFFIX = ".distcp"
+# The refusal of a DCP export with neither source of a model config (the pre-flight's and the plan's).
+NO_MODEL_CONFIG = ("a DCP checkpoint carries no model config: pass a local --base_model (its transformer's "
+                   "config.json is used) or --hf_model_config_path DIR (a directory holding the model's config.json)")
 
 
 def is_dcp_dir(path: Path) -> bool:
