@@ -30,6 +30,7 @@ from mergeflow.errors import UsageError
 from mergeflow.flows.merge import merge_flow
 from mergeflow.flows.run_names import export_label, slug
 from mergeflow.flows.runners import make_task_runner
+from mergeflow.flows.serve_settings import format_with_checkpoint
 from mergeflow.formats.verl_checkpoint import step_of
 from mergeflow.io.confinement import Confinement
 from mergeflow.io.jsonfiles import JsonObject
@@ -59,16 +60,6 @@ def _absolute(value: Any, what: str) -> str:
     if not isinstance(value, str) or not Path(value).is_absolute():
         raise UsageError(f"the event's {what} must be an absolute path (the deployment runs elsewhere), not {value!r}")
     return value
-
-
-def format_with_checkpoint(template: str | None, run_name: str, step: int | None, what: str) -> str | None:
-    """Fill `{run_name}` and `{step}` in a per-checkpoint setting such as --hf_upload_path."""
-    if template is None:
-        return None
-    try:
-        return template.format(run_name=run_name, step="" if step is None else step)
-    except (KeyError, IndexError, ValueError, AttributeError) as exc:
-        raise UsageError(f"{what} may use only {{run_name}} and {{step}}: {exc!r}") from None
 
 
 def default_target(target_root: str, run_name: str, step: int | None, actor_dir: Path) -> Path:

@@ -213,21 +213,16 @@ def pre_import_environment(debug: bool) -> dict[str, str]:
 
 
 @contextmanager
-def _running_flows() -> Iterator[None]:
-    """Around every command that runs a flow: a Prefect API to run against, and each run's UI link."""
-    from mergeflow.flows.local_server import (
-        configured_api_url,
-        ensure_command_server,
-        ensure_local_server,
-    )
+def _running_flows(announce: str | None = None) -> Iterator[None]:
+    """Around every command that runs a flow: a Prefect API to run against, and each run's UI link.
 
-    # First: either may set PREFECT_API_URL, which Prefect reads when imported.
-    started = ensure_local_server() or ensure_command_server()
-    if started is None and configured_api_url():
-        from mergeflow.flows.events import reachable_api_url
+    `announce` (backfill): the command says on stderr which server it uses, as serve and watch do.
+    """
+    from mergeflow.flows.events import use_prefect_api
 
-        # The user's server down, or refusing our credentials: one line now, not a traceback mid-export.
-        reachable_api_url()
+    # First: it may set PREFECT_API_URL, which Prefect reads when imported. The user's server down,
+    # or refusing our credentials: one line now, not a traceback mid-export.
+    use_prefect_api(announce)
     from mergeflow.flows.progress import flow_run_links
 
     with flow_run_links():
@@ -262,7 +257,7 @@ def cmd_backfill(args: argparse.Namespace) -> JsonObject:
     def report(step: StepResult) -> None:
         print(step.line(), flush=True)  # one line per step as it finishes; the JSON summary stays the last line
 
-    with _running_flows():
+    with _running_flows(announce="backfill"):
         from mergeflow.flows.api import merge_model
 
         return summary(backfill(settings_from(args), merge_model, report))

@@ -6,10 +6,11 @@ import asyncio
 import contextvars
 import logging
 import os
+import sys
 import threading
-from typing import Any
+from typing import IO, Any
 
-from mergeflow.errors import EventError
+from mergeflow.errors import ApiAccessError, EventError, UsageError
 from mergeflow.events import EVENT_CHECKPOINT_SAVED, build_checkpoint_event
 from mergeflow.io.jsonfiles import JsonObject
 
@@ -26,11 +27,55 @@ def configured_api_url() -> str:
     if not api_url:
         # Without an API URL, Prefect's emit_event silently starts a temporary local
         # server (or drops the event) that no deployment listens to.
-        raise EventError(
-            "No Prefect API is configured, so the event would go nowhere: set PREFECT_API_URL "
-            "(e.g. export PREFECT_API_URL=http://127.0.0.1:4200/api) to the server that serves mergeflow."
-        )
+        raise EventError(f"No Prefect API is configured, so the event would go nowhere: {_where_serve_listens()}")
     return str(api_url)
+
+
+def _where_serve_listens() -> str:
+    """What to set PREFECT_API_URL to: the local background server's API when it runs, else how to find it."""
+    from mergeflow.flows.local_server import healthy, read_state
+
+    state = read_state()
+    if state is not None and healthy(state.api_url):
+        return (f"mergeflow's local background server answers at {state.api_url}; "
+                f"export PREFECT_API_URL={state.api_url} if that is the server `mergeflow serve` uses.")
+    return ("set PREFECT_API_URL to the API of the server that `mergeflow serve` uses "
+            "(serve prints it when it starts; `mergeflow server status` prints the local background server's api_url).")
+
+
+def use_prefect_api(command: str | None = None, *, own_server: bool = True, stream: IO[str] | None = None) -> str:
+    """Point this command at a Prefect API and return its URL; call it before Prefect is imported.
+
+    The user's configured API (environment or profile) once it answers and accepts our
+    credentials; else mergeflow's local background server, started if needed; else, with
+    MERGEFLOW_LOCAL_SERVER=0, a server of this command's own. `own_server=False` (watch) refuses
+    that last one: events sent to a server nobody else knows reach no deployment. With `command`
+    (serve, watch, backfill), one line on stderr says which server it is, because a watcher,
+    training code and `serve` only meet on the same one.
+    """
+    from mergeflow.flows import local_server
+
+    out = stream or sys.stderr
+    if not own_server and not local_server.local_server_enabled() and not local_server.configured_api_url():
+        raise UsageError(f"{command} sends events to the server `mergeflow serve` uses, and {local_server.OPT_OUT_VAR}=0 "
+                         "turns off the local background server they would share: set PREFECT_API_URL to serve's API")
+    background = local_server.ensure_local_server(out)
+    own = None if background is not None else local_server.ensure_command_server()
+    if background is not None:
+        api_url = background.api_url
+        which = f"mergeflow's local background Prefect server at {api_url} (UI {background.ui_url}; mergeflow server stop ends it)"
+    elif own is not None:
+        api_url = own.api_url
+        which = (f"a Prefect server of its own at {api_url}, which ends with it ({local_server.OPT_OUT_VAR}=0); "
+                 f"watchers and training jobs reach it with PREFECT_API_URL={api_url}")
+    else:
+        api_url = reachable_api_url()
+        which = f"the configured Prefect API at {api_url}"
+    if command is not None:
+        if background is not None or own is not None:
+            reachable_api_url()  # a server started with PREFECT_SERVER_API_AUTH_STRING may still refuse us
+        print(f"mergeflow: {command} uses {which}", file=out, flush=True)
+    return api_url
 
 
 def reachable_api_url() -> str:
@@ -48,7 +93,7 @@ def reachable_api_url() -> str:
             "start it (prefect server start) or fix PREFECT_API_URL."
         )
     if denied:
-        raise EventError(denied)
+        raise ApiAccessError(denied)
     return api_url
 
 

@@ -90,14 +90,18 @@ def _stop_on_signals() -> Iterator[threading.Event]:
 
 
 def cmd_serve(args: argparse.Namespace) -> JsonObject:
-    from mergeflow.flows.serve import ServeSettings, serve_deployments, served_names
+    from mergeflow.flows.events import use_prefect_api
+    from mergeflow.flows.serve_settings import ServeSettings
 
     settings = ServeSettings(
         base_model=args.base_model, target_root=args.target_root, output_format=args.output_format, dtype=args.dtype,
         max_shard_size=args.max_shard_size, hf_upload_path=args.hf_upload_path, private=args.private,
         workers=args.workers, task_runner=args.task_runner, dask_address=args.dask_address,
         checkpoint_roots=tuple(args.checkpoint_roots), allowed_base_models=tuple(args.allowed_base_models),
-    )
+    ).checked()  # merge's pre-flight on serve's settings: what every triggered run would fail on, before any server
+    use_prefect_api("serve")  # before Prefect is imported (the next import): it reads PREFECT_API_URL then
+    from mergeflow.flows.serve import serve_deployments, served_names
+
     try:
         serve_deployments(settings, limit=args.limit)
     except KeyboardInterrupt:
@@ -106,8 +110,11 @@ def cmd_serve(args: argparse.Namespace) -> JsonObject:
 
 
 def cmd_watch(args: argparse.Namespace) -> JsonObject:
-    from mergeflow.flows.watch import watch
+    from mergeflow.flows.events import use_prefect_api
+    from mergeflow.flows.watch import training_dir, watch
 
+    training_dir(args.train_dir)  # a wrong path is refused before any server starts
+    use_prefect_api("watch", own_server=False)
     template = None
     if args.target_root:
         root = Path(args.target_root).expanduser().resolve()

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from mergeflow.errors import CheckpointError, UsageError
+from mergeflow.errors import ApiAccessError, CheckpointError, UsageError
 from mergeflow.flows.watch_state import STATE_FILE_NAME, WatchState
 from mergeflow.formats.verl_checkpoint import (
     FSDP_CONFIG,
@@ -70,6 +70,14 @@ def find_checkpoints(train_dir: str | os.PathLike[str]) -> list[CheckpointCandid
             if step is not None and entry.is_dir() and (root / entry.name / "actor").is_dir():
                 found.append(CheckpointCandidate(step, root / entry.name / "actor"))
     return sorted(found)
+
+
+def training_dir(train_dir: str | os.PathLike[str]) -> Path:
+    """The training output directory, absolute; refused when it does not exist."""
+    path = Path(train_dir).expanduser().absolute()
+    if not path.is_dir():
+        raise UsageError(f"Training output directory {path} does not exist; start the watcher on an existing directory.")
+    return path
 
 
 def _fingerprint(actor_dir: Path) -> str:
@@ -186,9 +194,7 @@ class CheckpointWatcher:
         state_file: str | os.PathLike[str] | None = None,
         retry_seconds: float = 30.0,
     ) -> None:
-        self.train_dir = Path(train_dir).expanduser().absolute()
-        if not self.train_dir.is_dir():
-            raise UsageError(f"Training output directory {self.train_dir} does not exist; start the watcher on an existing directory.")
+        self.train_dir = training_dir(train_dir)
         if stable_seconds < 0 or poll_seconds <= 0 or retry_seconds < 0:
             raise UsageError("stable_seconds and retry_seconds must be >= 0 and poll_seconds > 0.")
         self.emit = emit
@@ -241,7 +247,9 @@ class CheckpointWatcher:
             return retry_at - now
         try:
             self.emit(candidate.actor_dir, candidate.step)
-        except Exception as exc:  # the watcher outlives one failed emit and retries later
+        except ApiAccessError:
+            raise  # refused credentials stay refused: the watcher ends with the reason instead of retrying for ever
+        except Exception as exc:  # the watcher outlives one failed emit (a server down) and retries later
             self._retry_at[candidate.actor_dir] = now + self.retry_seconds
             logger.error("Emitting %s failed (%s); retrying in %g s.", candidate.actor_dir, exc, self.retry_seconds)
             return self.retry_seconds
@@ -348,14 +356,15 @@ def watch(
     timeout: float | None = None,
 ) -> list[CheckpointCandidate]:
     """Emit `mergeflow.checkpoint.saved` once per completed checkpoint (`mergeflow watch`)."""
-    from mergeflow.flows.events import checkpoint_saved, configured_api_url
+    from mergeflow.flows.events import checkpoint_saved, reachable_api_url
 
-    configured_api_url()  # fail at start, not at the first checkpoint hours later
     if target_dir_template is not None:
         try:
             target_dir_template.format(step=0, run_name="run")
         except (KeyError, IndexError, ValueError, AttributeError) as exc:
             raise UsageError(f"target_dir_template may use only {{step}} and {{run_name}}: {exc!r}.") from exc
+    # Fail at start, not at the first checkpoint hours later: no API, none answering, or credentials refused.
+    reachable_api_url()
     resolved_run = run_name or Path(train_dir).expanduser().absolute().name
 
     def emit(actor_dir: Path, step: int) -> None:

@@ -164,6 +164,10 @@ class EventError(MergeflowError):
     """The Prefect API cannot take an event or a run: none configured, unreachable, or credentials refused."""
 
 
+class ApiAccessError(EventError):
+    """The Prefect API refused this process's credentials (401/403): final, a retry gets the same answer."""
+
+
 class UploadError(MergeflowError):
     """Uploading to or verifying on the Hugging Face Hub failed."""
 

@@ -114,6 +114,7 @@ def test_without_api_url_it_fails_loudly_and_starts_no_server(tmp_path: Path) ->
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["outcome"].startswith("EventError:") and "PREFECT_API_URL" in report["outcome"]
+    assert "4200" not in report["outcome"] and "mergeflow server status" in report["outcome"]  # no guessed port
     assert report["children"] == [] and not report["server_module"]
     assert not report["imported_prefect"], "mergeflow.events must import Prefect lazily"
     assert report["elapsed"] < 10

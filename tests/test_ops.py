@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mergeflow.errors import ConcurrentExportError, EventError, UsageError
+from mergeflow.errors import BaseModelError, ConcurrentExportError, EventError, UsageError
 from mergeflow.events import build_checkpoint_event
 from mergeflow.flows.checkpoint import resolve_checkpoint_config
 from mergeflow.flows.cli import main
@@ -99,12 +99,13 @@ def test_bad_event_payloads_are_refused(payload: dict[str, object], defaults: di
         resolve_checkpoint_config(payload, confinement=confined(Path("/t"), "/x"), **defaults)  # type: ignore[arg-type]
 
 
-def test_serve_refuses_without_an_api_and_with_bad_paths(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_serve_refuses_without_an_api_and_with_bad_paths(tmp_path: Path) -> None:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from mergeflow.flows.serve import ServeSettings, serve_deployments
 
     (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "config.json").write_text(json.dumps({"_class_name": "FluxTransformer2DModel"}))
     roots = (str(tmp_path),)
     with pytest.raises(UsageError, match="target-root"):
         ServeSettings(base_model=str(tmp_path / "base"), target_root=str(tmp_path / "absent"), checkpoint_roots=roots).checked()
@@ -117,11 +118,18 @@ def test_serve_refuses_without_an_api_and_with_bad_paths(tmp_path: Path, capsys:
     with pytest.raises(UsageError, match="--allow-base-model"):
         ServeSettings(base_model=str(tmp_path / "base"), target_root=str(tmp_path), checkpoint_roots=roots,
                       allowed_base_models=(str(tmp_path / "absent"),)).checked()
+    # merge's base checks: a transformer-only base cannot give pipeline output (the default).
+    with pytest.raises(UsageError, match="--output_format pipeline needs a base pipeline"):
+        ServeSettings(base_model=str(tmp_path / "base"), target_root=str(tmp_path), checkpoint_roots=roots).checked()
+    (tmp_path / "other").mkdir()
+    with pytest.raises(BaseModelError, match="--allow-base-model .*other: config.json of the base"):
+        ServeSettings(base_model=str(tmp_path / "base"), target_root=str(tmp_path), checkpoint_roots=roots,
+                      output_format="transformer", allowed_base_models=(str(tmp_path / "other"),)).checked()
+    # The Python API has no server to choose (the command line does: tests/test_serve_startup.py).
     with temporary_settings(restore_defaults={PREFECT_API_URL}):
         with pytest.raises(EventError, match="PREFECT_API_URL"):
-            serve_deployments(ServeSettings(base_model=str(tmp_path / "base"), target_root=str(tmp_path), checkpoint_roots=roots))
-        code = main(["serve", "--base_model", str(tmp_path / "base"), "--target-root", str(tmp_path), "--checkpoint-root", str(tmp_path)])
-    assert code == 2 and "PREFECT_API_URL" in capsys.readouterr().err
+            serve_deployments(ServeSettings(base_model=str(tmp_path / "base"), target_root=str(tmp_path), checkpoint_roots=roots,
+                                            output_format="transformer"))
 
 
 def test_task_runner_choice() -> None:

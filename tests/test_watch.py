@@ -248,6 +248,23 @@ def test_failed_emit_is_retried_and_recorded_once(tmp_path: Path, caplog: pytest
     assert any("server down" in r.getMessage() for r in caplog.records)
 
 
+def test_refused_credentials_end_the_watcher_without_retry(tmp_path: Path) -> None:
+    """A 401/403 stays one on every retry: the watcher ends with it (the CLI's one line, exit 2); a server down is retried."""
+    from mergeflow.errors import ApiAccessError
+
+    write_checkpoint(tmp_path, 1)
+    attempts: list[int] = []
+
+    def refused(actor_dir: Path, step: int) -> None:
+        attempts.append(step)
+        raise ApiAccessError("The Prefect API at http://127.0.0.1:1/api refused PREFECT_API_AUTH_STRING (401)")
+
+    watcher = CheckpointWatcher(tmp_path, refused, stable_seconds=0, poll_seconds=POLL, retry_seconds=0)
+    with pytest.raises(ApiAccessError, match="refused PREFECT_API_AUTH_STRING"):
+        watcher.run(timeout=30)
+    assert attempts == [1] and not (tmp_path / STATE_FILE_NAME).exists()
+
+
 def test_custom_state_file_and_second_watcher_refused(tmp_path: Path) -> None:
     train = tmp_path / "run"
     train.mkdir()

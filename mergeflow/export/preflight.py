@@ -41,13 +41,7 @@ def resolve_inputs(config: ModelMergerConfig) -> dict[str, Path]:
     """Absolute input/output paths, checked for existence and overlap."""
     actor = Path(config.local_dir or "").expanduser().resolve()
     cfg_dir = Path(config.hf_model_config_path or actor / "huggingface").expanduser().resolve()
-    base = Path(config.base_model or "").expanduser()
-    if not base.exists():
-        raise UsageError(
-            f"--base_model {config.base_model} is not a local directory; download the base first "
-            "(e.g. `hf download ORG/REPO --local-dir DIR`) and pass that directory"
-        )
-    base = base.resolve()
+    base = local_base(config.base_model)
     target = check_target(Path(config.target_dir or ""))
     if not actor.is_dir():
         raise CheckpointError(f"--local_dir {actor} is not a directory")
@@ -55,6 +49,28 @@ def resolve_inputs(config: ModelMergerConfig) -> dict[str, Path]:
     check_no_overlap({"--hf_model_config_path": cfg_dir, "--target_dir": target})
     check_no_overlap({"--hf_model_config_path": cfg_dir, "--base_model": base})
     return {"actor": actor, "config_dir": cfg_dir, "base": base, "target": target}
+
+
+def local_base(base_model: str | None) -> Path:
+    """--base_model resolved; refused when nothing is there (a Hub id, a typo). Merge and serve both ask."""
+    base = Path(base_model or "").expanduser()
+    if not base.exists():
+        raise UsageError(
+            f"--base_model {base_model} is not a local directory; download the base first "
+            "(e.g. `hf download ORG/REPO --local-dir DIR`) and pass that directory"
+        )
+    return base.resolve()
+
+
+def check_base_fits(config: ModelMergerConfig, base: Path) -> BaseLayout:
+    """The base's layout, once its kind fits the output format and it has the component (merge and serve)."""
+    layout = detect_base(base, config.component)
+    check_output_format(config, layout)
+    arch = PIPELINES.get(layout.class_name) if layout.kind == "pipeline" else None
+    if config.output_format == "pipeline" and arch is not None and config.component not in arch.trainable:
+        raise UsageError(f"--component {config.component}: a {arch.pipeline_class} checkpoint can replace "
+                         f"{', '.join(arch.trainable)}")
+    return layout
 
 
 def check_output_format(config: ModelMergerConfig, layout: BaseLayout) -> None:
@@ -112,12 +128,8 @@ def _check_lora_flags(config: ModelMergerConfig, has_meta: bool) -> None:
 def _preflight_with_base(config: ModelMergerConfig) -> None:
     """Every export except a LoRA-only adapter needs a local base: paths, layout, classes."""
     paths = resolve_inputs(config)
-    layout = detect_base(paths["base"], config.component)
-    check_output_format(config, layout)
+    layout = check_base_fits(config, paths["base"])
     arch = PIPELINES.get(layout.class_name) if layout.kind == "pipeline" else None
-    if config.output_format == "pipeline" and arch is not None and config.component not in arch.trainable:
-        raise UsageError(f"--component {config.component}: a {arch.pipeline_class} checkpoint can replace "
-                         f"{', '.join(arch.trainable)}")
     actor_config = _read_config(paths["config_dir"] / "config.json", CheckpointError, CHECKPOINT_CONFIG)
     if config.output_format == "transformer" or (arch is not None and arch.adapter.instantiates_model):
         _check_same_diffusers_class(actor_config, paths["base"], layout)
