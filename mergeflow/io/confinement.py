@@ -124,23 +124,14 @@ def check_input_links(directory: str | os.PathLike[str], what: str) -> None:
 
 
 def check_base_links(base: str | os.PathLike[str]) -> None:
-    """Refuse any symlink in the base directory, read by the export or not."""
-    from mergeflow.errors import BaseModelError
+    """Refuse any symlink in the base directory, read by the export or not (a transformer base too)."""
+    # The pipeline contract's walk is the one rule for base trees; imported here, at use, since
+    # the architectures package sits above this one.
+    from mergeflow.architectures.contract import walk_base
 
     root = _resolved(base)
-    if not root.is_dir():
-        return
-    links = links_in(root)
-    if not links:
-        return
-    first = links[0]
-    rel = first.relative_to(root).as_posix()
-    kind = "component directory " if first.parent == root and first.is_dir() else ""
-    name = f"{rel}/" if first.is_dir() else rel
-    hint = (" (a Hugging Face cache snapshot: `hf download REPO --local-dir DIR` gives a plain copy)"
-            if len(links) > 1 and "blobs" in os.readlink(first) else "")
-    raise BaseModelError(f"{kind}{name} of the base is a symlink (to {os.readlink(first)}){hint}; mergeflow never "
-                         f"follows links in a base ({len(links)} found): use a plain copy")
+    if root.is_dir():
+        walk_base(root)
 
 
 def check_export_links(local_dir: str | None, base_model: str | None, config_dir: str | None = None) -> None:
