@@ -35,9 +35,9 @@ from mergeflow.export.preflight import check_output_format, resolve_inputs
 from mergeflow.export.targets import TargetSchema, pipeline_target, transformer_target
 from mergeflow.formats.checkpoint_dir import file_hasher
 from mergeflow.formats.manifest import fingerprint
+from mergeflow.io.confinement import check_export_links
 from mergeflow.io.fs import FileStamp, sha256_file
 from mergeflow.io.jsonfiles import JsonObject
-from mergeflow.io.confinement import check_export_links
 from mergeflow.io.paths import lock_path_for, resolved_path_options, staging_dir_for
 from mergeflow.io.prefetch import DigestPrefetch
 from mergeflow.lora.plan import LoraSpec

@@ -178,11 +178,12 @@ def clear_publish_leftovers(target: Path) -> list[str]:
         return []
     lock = lock_path_for(target)
     had_lock = lock.exists()
-    empty = [p for p in staging_dirs_of(target) if not (p / "artifact").exists()]
-    if not empty and not had_lock:
+    if not had_lock and all((p / "artifact").exists() for p in staging_dirs_of(target)):
         return []
+    empty: list[Path] = []
     try:
         with TargetLock(lock):  # released, the lock file is unlinked: the stale one goes with it
+            empty = [p for p in staging_dirs_of(target) if not (p / "artifact").exists()]  # listed under the lock
             for staging in empty:
                 shutil.rmtree(staging)
     except (ConcurrentExportError, OSError):
