@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from prefect.utilities.annotations import opaque
 
 from mergeflow.architectures.conversions import convert_writes
 from mergeflow.config import ModelMergerConfig
-from mergeflow.errors import MergeflowError, UploadError
+from mergeflow.errors import MergeflowError, UploadError, one_line
 from mergeflow.export.checkpoint_source import forget as forget_checkpoint
 from mergeflow.export.progress import (
     HASHING,
@@ -37,7 +38,7 @@ from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.io.os_errors import typed_os_error
 from mergeflow.io.paths import check_target
 from mergeflow.io.prefetch import DigestPrefetch
-from mergeflow.io.staging import remove_partial_writes, settle_failed_staging
+from mergeflow.io.staging import orphans_of, remove_partial_writes, settle_failed_staging
 from mergeflow.lora.artifact import ADAPTER_DIR
 from mergeflow.records import MergePlan, ShardRecord, TensorLayout
 from mergeflow.tasks.copy_components import copy_components
@@ -108,6 +109,12 @@ def run_export(plan: MergePlan, allow_unchanged: bool = False) -> tuple[dict[str
     left = remove_partial_writes(Path(plan.output.staging))  # a killed run's temporary files: never resumed
     if left:
         logger.info("Removed %d temporary file(s) a killed run left: %s", len(left), ", ".join(left[:5]))
+    others = orphans_of(Path(plan.output.target), Path(plan.output.staging))
+    if others:  # another input, option or (before keys were resolved) spelling of this export: resumed by nothing
+        note = (f"staging dir(s) of this target that this export does not resume: {', '.join(map(str, others))}; "
+                "`mergeflow staging clean` removes them")
+        logger.warning(note[0].upper() + note[1:])
+        print(f"mergeflow: note: {one_line(note)}", file=sys.stderr)  # the CLI shows no run logs
     progress = merge_progress()
     layouts = load_layouts(plan, progress)
     lora = plan_lora(light(plan), light(layouts)) if plan.lora is not None else None

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import forked_cli
 import pytest
-from builders import make_export
+from builders import Export, clone_export, expect_refusal, leftovers, make_export, plain_export
 
-from mergeflow.errors import ConfinementError, EventError
+from mergeflow.errors import BaseModelError, ConfinementError, EventError
 from mergeflow.events import build_checkpoint_event
 from mergeflow.flows.checkpoint import resolve_checkpoint_config
 from mergeflow.io.confinement import Confinement, confine_read
@@ -147,3 +152,98 @@ def test_merge_against_a_server_that_refuses_the_credentials_is_one_line(tmp_pat
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "requires authentication" in lines[0] and "PREFECT_API_AUTH_STRING" in lines[0], done.stderr
     assert not target.exists() and not any(p.name.startswith("out.") for p in tmp_path.iterdir()), os.listdir(tmp_path)
+
+
+# --- symlinks inside the inputs (issue 22, item 2) -------------------------------------------------
+
+LINKED_OUT = ["huggingface", "fsdp_config.json", ".metadata"]  # a verl checkpoint's config dir and file, a DCP's
+
+
+def _link_out(directory: Path, name: str, outside: Path) -> Path:
+    """Move `directory/name` (or make one) outside and leave a symlink to it in its place."""
+    moved = outside / f"moved-{name.strip('.')}"
+    if (directory / name).exists():
+        shutil.move(str(directory / name), moved)
+    else:
+        moved.write_bytes(b"not read")
+    (directory / name).symlink_to(moved, target_is_directory=moved.is_dir())
+    return moved
+
+
+@pytest.mark.parametrize("name", LINKED_OUT)
+def test_a_served_checkpoint_entry_linked_out_of_the_roots_is_refused(site: dict[str, Path], name: str) -> None:
+    (site["actor"] / "huggingface").mkdir()
+    (site["actor"] / "huggingface" / "config.json").write_text("{}")
+    (site["actor"] / "fsdp_config.json").write_text("{}")
+    _link_out(site["actor"], name, site["outside"])
+    with pytest.raises(ConfinementError, match=rf"{re.escape(name)} in the event's local_dir .* outside every checkpoint root") as info:
+        resolve(site)
+    assert "\n" not in str(info.value) and "nothing was read" in str(info.value)
+
+
+def test_a_served_checkpoint_entry_linked_inside_the_root_is_accepted(site: dict[str, Path]) -> None:
+    shared = site["ckpts"] / "shared-hf"
+    shared.mkdir()
+    (site["actor"] / "huggingface").symlink_to(shared, target_is_directory=True)
+    assert resolve(site).local_dir == str(site["actor"].resolve())
+
+
+@pytest.fixture()
+def ex(pristine_flux_w2: Export, tmp_path: Path) -> Export:
+    """A private copy of the session's W=2 Flux checkpoint, free to damage."""
+    return clone_export(pristine_flux_w2, tmp_path / "ck")
+
+
+def _base_config_out(ex: Export) -> None:
+    _link_out(ex.base_dir, "config.json", ex.root)
+
+
+def _unread_link_in_base(ex: Export) -> None:
+    (ex.base_dir / "README.md").symlink_to("config.json")  # inside the base, and never read
+
+
+def _hf_cache_snapshot(ex: Export) -> None:
+    blobs = ex.root / "blobs"
+    blobs.mkdir()
+    for path in sorted(p for p in ex.base_dir.rglob("*") if p.is_file()):
+        blob = blobs / hashlib.sha256(path.read_bytes()).hexdigest()
+        shutil.move(str(path), blob)
+        path.symlink_to(os.path.relpath(blob, path.parent))
+
+
+CLI_LINKS: dict[str, tuple[Callable[[Export], object], type[Exception], str]] = {
+    "checkpoint huggingface/ linked out": (lambda e: _link_out(e.actor_dir, "huggingface", e.root), ConfinementError,
+                                           r"huggingface in --local_dir .* outside --local_dir"),
+    "checkpoint fsdp_config.json linked out": (lambda e: _link_out(e.actor_dir, "fsdp_config.json", e.root),
+                                               ConfinementError, r"fsdp_config.json in --local_dir .* outside"),
+    "checkpoint .metadata linked out": (lambda e: _link_out(e.actor_dir, ".metadata", e.root), ConfinementError,
+                                        r"\.metadata in --local_dir .* outside"),
+    "base config.json linked out": (_base_config_out, BaseModelError, r"config.json of the base is a symlink"),
+    "unread link inside the base": (_unread_link_in_base, BaseModelError, r"README.md of the base is a symlink"),
+    "base given as an HF cache snapshot": (_hf_cache_snapshot, BaseModelError, r"hf download"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CLI_LINKS))
+def test_a_link_out_of_an_export_input_is_refused_before_any_read(ex: Export, case: str) -> None:
+    damage, error, match = CLI_LINKS[case]
+    damage(ex)
+    err = expect_refusal(ex, error, match, stage="inspect")
+    assert "\n" not in str(err)
+
+
+def test_a_link_that_stays_inside_the_checkpoint_is_followed(ex: Export, tmp_path: Path) -> None:
+    (ex.actor_dir / "huggingface").rename(ex.actor_dir / "hf-real")
+    (ex.actor_dir / "huggingface").symlink_to("hf-real", target_is_directory=True)
+    assert Path(plain_export(ex.config(tmp_path / "out"))["output_dir"]).is_dir()
+
+
+def test_the_cli_refuses_a_base_config_linked_out_with_one_line(ex: Export, tmp_path: Path) -> None:
+    _base_config_out(ex)
+    target = tmp_path / "out"
+    proc = forked_cli.mergeflow(["merge", "--backend", "fsdp", "--local_dir", str(ex.actor_dir), "--base_model",
+                                 str(ex.base_dir), "--target_dir", str(target), "--output_format", "transformer"],
+                                {"HF_HUB_OFFLINE": "1", "PATH": os.environ["PATH"]})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "config.json of the base is a symlink" in proc.stderr
+    assert leftovers(tmp_path, ".out.") == [] and not target.exists()

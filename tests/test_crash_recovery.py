@@ -13,7 +13,8 @@ import subprocess
 from pathlib import Path
 
 import forked_cli
-from builders import Export, leftovers, make_export, tree_digest
+import pytest
+from builders import Export, clone_export, leftovers, make_export, tree_digest
 
 from mergeflow import merge_model
 
@@ -70,3 +71,26 @@ def test_a_resume_removes_what_killed_writers_left(tmp_path: Path) -> None:
     assert removed == sorted(p.relative_to(staging).as_posix() for p in left)
     assert not any(p.exists() for p in left) and keep.exists() and (staging / "artifact" / "config.json").exists()
     assert os.listdir(staging / "artifact" / "transformer") == []
+
+
+@pytest.mark.parametrize("stage", ["renamed", "synced", "staging-removed"])
+def test_a_kill_after_the_publish_rename_is_cleared_by_the_next_command(tmp_path: Path, prefect_server, prefect_api,  # type: ignore[no-untyped-def]
+                                                                        pristine_flux_w2, stage: str) -> None:
+    ex = clone_export(pristine_flux_w2, tmp_path)
+    env = {**prefect_server.client_env(), "HF_HUB_OFFLINE": "1"}
+    target = tmp_path / "out"
+    killed = _merge(ex, target, {**env, "MERGEFLOW_FAULT_KILL_AFTER_PUBLISH": stage})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert (target / "merge_manifest.json").is_file(), "the kill came before the publish rename"
+    left = [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+    assert tmp_path / ".out.mergeflow.lock" in left and len(left) == (1 if stage == "staging-removed" else 2), left
+    want = tree_digest(target)
+    rerun = _merge(ex, target, env)
+    assert rerun.returncode == 2, rerun.stderr[-2000:]
+    line = rerun.stderr.strip().splitlines()[-1]
+    assert line.startswith("mergeflow: error: target") and "already exists" in line, rerun.stderr
+    assert "removed what an interrupted publish left beside it" in line and all(str(p) in line for p in left), line
+    assert leftovers(tmp_path, ".out.") == [], "the staging dir or the lock is still there"
+    assert tree_digest(target) == want  # the published artifact is untouched
+    again = _merge(ex, target, env)
+    assert again.returncode == 2 and "interrupted publish" not in again.stderr  # said once, when it was done

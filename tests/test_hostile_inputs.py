@@ -57,6 +57,11 @@ HEADER_EDITS: dict[str, Callable[[dict[str, Any]], None]] = {
     "boolean shape": lambda h: _first_tensor(h).update(shape=[True, 3]),
     "negative shape": lambda h: _first_tensor(h).update(shape=[-4, -3]),
     "entry not an object": lambda h: h.update({next(k for k in h if k != "__metadata__"): [1, 2]}),
+    # __metadata__ must map strings to strings: the safetensors library refuses anything else on load.
+    "__metadata__ a list": lambda h: h.update(__metadata__=["format", "pt"]),
+    "__metadata__ a string": lambda h: h.update(__metadata__="pt"),
+    "__metadata__ with a number value": lambda h: h.update(__metadata__={"format": "pt", "step": 3}),
+    "__metadata__ with a nested value": lambda h: h.update(__metadata__={"format": {"pt": True}}),
 }
 
 
@@ -164,3 +169,18 @@ def test_the_wrong_directory_is_answered_with_where_the_checkpoint_probably_is(t
             read_fsdp_config(path)
         assert words in str(info.value), (path, str(info.value))
     assert read_fsdp_config(run / "global_step_20" / "actor").world_size == 1
+
+
+def test_a_base_metadata_list_is_one_line_from_the_cli_before_any_write(ex: Export, tmp_path: Path, prefect_server: Any) -> None:
+    import forked_cli
+    from builders import leftovers
+
+    _rewrite_header(_base_weights(ex), lambda h: h.update(__metadata__=["format", "pt"]))
+    target = tmp_path / "out"
+    proc = forked_cli.mergeflow(["merge", "--backend", "fsdp", "--local_dir", str(ex.actor_dir), "--base_model",
+                                 str(ex.base_dir), "--target_dir", str(target), "--output_format", "transformer"],
+                                {**prefect_server.client_env(), "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("mergeflow: error:") and "__metadata__" in last and "internal" not in proc.stderr, proc.stderr
+    assert leftovers(tmp_path, ".out.") == [] and not target.exists()  # nothing staged, nothing published

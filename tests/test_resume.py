@@ -201,3 +201,56 @@ def test_dask_local_cluster_gives_a_byte_identical_artifact(tmp_path: Path, pref
     run = latest_flow_run("merge-ckpt-step1")
     states = shard_states(task_runs(run.id, lambda r: len(shard_states(r)) == len(shard_names(out))))
     assert len(states) == len(shard_names(out)) and set(states.values()) == {"Completed"}
+
+
+def _staged_shards(parent: Path, name: str) -> dict[str, tuple[int, int]]:
+    """Staged shard file -> (inode, mtime_ns): a resume renames them into the target, a rewrite makes new ones."""
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns)
+            for p in parent.glob(f".{name}.mergeflow-staging-*/artifact/**/*.safetensors")}
+
+
+def test_a_rerun_from_another_cwd_with_other_spellings_resumes(tmp_path: Path, prefect_server: Any, prefect_api: Any,
+                                                                pristine_flux_w2: Export) -> None:
+    ex = clone_export(pristine_flux_w2, tmp_path / "site")
+    target = tmp_path / "site" / "out"
+    env = prefect_server.client_env()
+    killed = forked_cli.mergeflow(_merge_args(ex, target), {**env, "MERGEFLOW_FAULT_KILL_AT_WRITE": "1:merge_manifest"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    staged = _staged_shards(target.parent, "out")
+    assert len(staged) >= 2
+    # The same export spelled otherwise: relative to another cwd, with '..', through a symlinked parent.
+    (tmp_path / "alias").symlink_to(tmp_path / "site", target_is_directory=True)
+    cwd = tmp_path / "elsewhere" / "deep"
+    cwd.mkdir(parents=True)
+    args = ["merge", "--backend", "fsdp", "--local_dir", os.path.relpath(ex.actor_dir, cwd),
+            "--base_model", "../../alias/../alias/" + str(ex.base_dir.relative_to(tmp_path / "site")),
+            "--target_dir", "../../alias/out", "--output_format", "transformer", "--max_shard_size", str(SHARD),
+            "--workers", "1"]
+    rerun = forked_cli.run(["-m", "mergeflow", *args], env, cwd=cwd, timeout=240)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    published = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in target.glob("*.safetensors")}
+    assert published == staged, "the rerun rewrote shards instead of resuming the staged ones"
+    assert list_staging(target.parent) == [] and not (target.parent / ".out.mergeflow.lock").exists()
+    print(f"reliability: a rerun with other path spellings reused {len(staged)} of {len(published)} shards")
+
+
+def test_an_orphaned_staging_dir_is_named(tmp_path: Path, prefect_server: Any, prefect_api: Any,
+                                          pristine_flux_w2: Export) -> None:
+    ex = clone_export(pristine_flux_w2, tmp_path)
+    target = tmp_path / "out"
+    orphan = tmp_path / ".out.mergeflow-staging-00000000deadbeef"  # an older key's staging of the same target
+    (orphan / "artifact").mkdir(parents=True)
+    (orphan / "artifact" / "config.json").write_text("{}\n")
+    env = prefect_server.client_env()
+    listed = forked_cli.mergeflow(["staging", "list", str(tmp_path)], env)
+    assert listed.returncode == 0, listed.stderr
+    assert [s["orphaned"] for s in json.loads(listed.stdout)["staging"]] == [""]  # the only one: a rerun may resume it
+    first = forked_cli.mergeflow(_merge_args(ex, target), env, timeout=240)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert str(orphan) in first.stderr, "the export did not name the staging dir it does not resume"
+    again = forked_cli.mergeflow(_merge_args(ex, target), env)
+    assert again.returncode == 2 and "already exists" in again.stderr and str(orphan) in again.stderr, again.stderr
+    assert len(again.stderr.strip().splitlines()) == 1, again.stderr
+    listed = forked_cli.mergeflow(["staging", "list", str(tmp_path)], env)
+    (info,) = json.loads(listed.stdout)["staging"]
+    assert info["path"] == str(orphan) and info["orphaned"] == f"its target {target} exists"

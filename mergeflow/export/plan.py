@@ -35,9 +35,10 @@ from mergeflow.export.preflight import check_output_format, resolve_inputs
 from mergeflow.export.targets import TargetSchema, pipeline_target, transformer_target
 from mergeflow.formats.checkpoint_dir import file_hasher
 from mergeflow.formats.manifest import fingerprint
+from mergeflow.io.confinement import check_export_links
 from mergeflow.io.fs import FileStamp, sha256_file
 from mergeflow.io.jsonfiles import JsonObject
-from mergeflow.io.paths import lock_path_for, staging_dir_for
+from mergeflow.io.paths import lock_path_for, resolved_path_options, staging_dir_for
 from mergeflow.io.prefetch import DigestPrefetch
 from mergeflow.lora.plan import LoraSpec
 from mergeflow.records import (
@@ -69,6 +70,7 @@ def build_plan(config: ModelMergerConfig) -> MergePlan:
     actor = Path(config.local_dir or "").expanduser().resolve()
     if not actor.is_dir():
         raise CheckpointError(f"--local_dir {actor} is not a directory")
+    check_export_links(config.local_dir, config.base_model, config.hf_model_config_path)  # before the first read
     checkpoint = open_checkpoint(actor, trust_checkpoint=config.trust_checkpoint)  # verl's rank 0, or a DCP's .metadata
     # The manifest's source-file digests: hashed on the idle core while the schema is built.
     DigestPrefetch.start([actor / name for name in checkpoint.files], hasher=file_hasher(checkpoint.format))
@@ -92,7 +94,7 @@ def build_plan(config: ModelMergerConfig) -> MergePlan:
               + [actor / n for n in checkpoint.files])
     stamps = {str(p): FileStamp.of(p) for p in inputs}
     stamps.update(decided.stamps)
-    options = {k: v for k, v in config.to_dict().items() if k not in _NOT_FINGERPRINTED}
+    options = resolved_path_options({k: v for k, v in config.to_dict().items() if k not in _NOT_FINGERPRINTED})
     fp = fingerprint([options, {k: list(v.__dict__.values()) for k, v in stamps.items()}, str(target), decided.base.files])
     schema = decided.schema
     return MergePlan(

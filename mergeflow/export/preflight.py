@@ -89,6 +89,9 @@ def preflight_merge(config: ModelMergerConfig) -> list[Path]:
     actor = Path(config.local_dir or "").expanduser().resolve()
     if not actor.is_dir():
         raise CheckpointError(f"--local_dir {actor} is not a directory")
+    from mergeflow.io.confinement import check_export_links  # links out of the inputs: refused before any read
+
+    check_export_links(config.local_dir, config.base_model, config.hf_model_config_path)
     if format_of(actor) == "dcp":
         _preflight_dcp(config, actor)
         return listed_files(actor)

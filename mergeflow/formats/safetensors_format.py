@@ -91,7 +91,14 @@ def read_header(path: Path) -> tuple[dict[str, HeaderEntry], dict[str, str], int
     header = parse_json_strict(raw, ArtifactInvalidError, f"{path.name}: safetensors header")
     if not isinstance(header, dict):
         raise ArtifactInvalidError(f"{path.name}: safetensors header is not an object")
-    metadata = header.pop("__metadata__", {}) or {}
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    # The format allows only a string-to-string map here; the safetensors library refuses anything
+    # else when it loads the file, so a base carrying it would fail after the shards are written.
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ArtifactInvalidError(f"{path.name}: safetensors header __metadata__ is not a map of strings to strings "
+                                   f"(it is a {type(metadata).__name__}{'' if not isinstance(metadata, dict) else ' with other values'})")
     entries: dict[str, HeaderEntry] = {}
     spans = []
     for name, info in header.items():

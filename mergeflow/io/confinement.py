@@ -66,6 +66,13 @@ class Confinement:
             raise ConfinementError(
                 f"the event's local_dir {local_dir} resolves to {resolved}, outside every checkpoint root "
                 f"({', '.join(self.checkpoint_roots)}); nothing was read")
+        if resolved.is_dir():  # a huggingface/, fsdp_config.json or .metadata linked out of the roots
+            for link in links_in(resolved):
+                target = link.resolve(strict=False)
+                if not any(is_inside(target, Path(root)) for root in self.checkpoint_roots):
+                    raise ConfinementError(
+                        f"{link.relative_to(resolved)} in the event's local_dir {resolved} is a symlink to {target}, "
+                        f"outside every checkpoint root ({', '.join(self.checkpoint_roots)}); nothing was read")
         return str(resolved)
 
     def target(self, target_dir: str | os.PathLike[str]) -> str:
@@ -86,3 +93,52 @@ class Confinement:
                 f"the event's base_model {base_model} is not one this deployment allows ({allowed}); "
                 "serve with --allow-base-model DIR to allow it")
         return str(resolved)
+
+
+# Every symlink in the trees an export reads is checked before the first read. Inputs may hold a
+# link that stays inside their own directory (a `latest` alias, say); a link out of it is refused,
+# since the stamps and hashes would vouch for bytes the operator never gave. A base holds no link
+# at all, read or not: it is copied and published file by file, and a Hugging Face cache snapshot
+# (every file a link into ../../blobs) is refused with the way to get a plain copy.
+def links_in(directory: Path) -> list[Path]:
+    """Every symlink (to a file, a directory or nothing) below `directory`, never following one."""
+    found: list[Path] = []
+    for folder, dirs, files in os.walk(directory, followlinks=False):
+        for name in sorted(dirs + files):
+            path = Path(folder) / name
+            if path.is_symlink():
+                found.append(path)
+    return sorted(found)
+
+
+def check_input_links(directory: str | os.PathLike[str], what: str) -> None:
+    """Refuse a symlink below the input `directory` that resolves outside it (one line, nothing read)."""
+    root = _resolved(directory)
+    if not root.is_dir():
+        return  # the caller's own check names a missing directory
+    for link in links_in(root):
+        resolved = link.resolve(strict=False)
+        if not is_inside(resolved, root):
+            raise ConfinementError(f"{link.relative_to(root)} in {what} {root} is a symlink to {resolved}, outside "
+                                   f"{what}; mergeflow reads inputs only inside it: copy the file in. Nothing was read")
+
+
+def check_base_links(base: str | os.PathLike[str]) -> None:
+    """Refuse any symlink in the base directory, read by the export or not (a transformer base too)."""
+    # The pipeline contract's walk is the one rule for base trees; imported here, at use, since
+    # the architectures package sits above this one.
+    from mergeflow.architectures.contract import walk_base
+
+    root = _resolved(base)
+    if root.is_dir():
+        walk_base(root)
+
+
+def check_export_links(local_dir: str | None, base_model: str | None, config_dir: str | None = None) -> None:
+    """The link rules for one export's inputs: the checkpoint, a separate model-config directory, the base."""
+    if local_dir:
+        check_input_links(local_dir, "--local_dir")
+    if config_dir:
+        check_input_links(config_dir, "--hf_model_config_path")
+    if base_model and Path(base_model).expanduser().is_dir():  # a Hub name (LoRA-only export) is no directory
+        check_base_links(base_model)

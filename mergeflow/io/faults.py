@@ -41,3 +41,13 @@ def durable_write_point(path: os.PathLike[str] | str | None = None) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if _hit(_FULL_ENV, where):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path) if path is not None else None)
+
+
+_PUBLISH_ENV = "MERGEFLOW_FAULT_KILL_AFTER_PUBLISH"
+PUBLISH_POINTS = ("renamed", "synced", "staging-removed")
+
+
+def publish_point(stage: str) -> None:
+    """Called at each step after the publish rename; `MERGEFLOW_FAULT_KILL_AFTER_PUBLISH=<stage>` kills there."""
+    if os.environ.get(_PUBLISH_ENV) == stage:
+        os.kill(os.getpid(), signal.SIGKILL)

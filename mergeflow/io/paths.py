@@ -45,7 +45,15 @@ def check_target(target: Path) -> Path:
         raise UsageError(f"--target_dir {target} must name a new directory")
     absolute = target.parent.resolve() / target.name
     if absolute.exists() or absolute.is_symlink():
-        raise TargetExistsError(f"target {absolute} already exists; mergeflow never overwrites, choose a new --target_dir")
+        from mergeflow.io.staging import clear_publish_leftovers, orphans_of  # staging imports this module
+
+        removed = clear_publish_leftovers(absolute)  # a kill after the publish rename left them
+        kept = orphans_of(absolute)
+        raise TargetExistsError(
+            f"target {absolute} already exists; mergeflow never overwrites, choose a new --target_dir"
+            + (f"; removed what an interrupted publish left beside it: {', '.join(removed)}" if removed else "")
+            + (f"; staging dir(s) of this target that nothing will resume: {', '.join(map(str, kept))} "
+               "(`mergeflow staging clean` removes them)" if kept else ""))
     if not absolute.parent.is_dir():
         raise UsageError(f"the parent of --target_dir ({absolute.parent}) does not exist; create it first")
     return absolute
@@ -63,3 +71,23 @@ def staging_dir_for(target: Path, fingerprint: str) -> Path:
 
 def lock_path_for(target: Path) -> Path:
     return target.parent / f".{target.name}{LOCK_SUFFIX}"
+
+
+# The options that name local paths: the staging key holds them resolved, so the same export
+# spelled another way (relative, with '..', through a linked parent, from another cwd) resumes.
+PATH_OPTIONS = ("local_dir", "base_model", "target_dir", "hf_model_config_path", "test_hf_dir", "adapter_config")
+
+
+def resolved_path_options(options: dict[str, object]) -> dict[str, object]:
+    """`options` with every local path option absolute and resolved; a Hub name (no such path) is kept."""
+    out = dict(options)
+    for key in PATH_OPTIONS:
+        value = out.get(key)
+        if not isinstance(value, str) or not value:
+            continue
+        path = Path(value).expanduser()
+        if key == "target_dir":  # not there yet: its parent is resolved, as check_target does
+            out[key] = str(path.parent.resolve() / path.name)
+        elif path.exists() or path.is_symlink():
+            out[key] = str(path.resolve())
+    return out

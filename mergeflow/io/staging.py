@@ -37,12 +37,14 @@ class StagingInfo:
     resumable_shards: int
     has_manifest: bool
     locked: bool
+    # "" while a rerun of its export may resume it; else why nothing will (see `orphan_reason`).
+    orphaned: str = ""
 
     def to_dict(self) -> dict[str, object]:
         return {
             "path": self.path, "target": self.target, "size_bytes": self.size_bytes,
             "age_seconds": round(self.age_seconds, 1), "resumable_shards": self.resumable_shards,
-            "has_manifest": self.has_manifest, "locked": self.locked,
+            "has_manifest": self.has_manifest, "locked": self.locked, "orphaned": self.orphaned,
         }
 
 
@@ -142,6 +144,53 @@ def count_resumable_shards(staging: Path) -> int:
     return count
 
 
+def orphan_reason(staging: Path) -> str:
+    """Why no export will resume `staging` ("" when one may): its target exists, or a newer one replaced it.
+
+    A staging dir is keyed by the target and the export's inputs and options; one of the same
+    target that is not the newest was left by an export that was changed (or, before keys were
+    built from resolved paths, spelled differently) and is resumed by nothing.
+    """
+    target = target_of(staging)
+    if target.exists() or target.is_symlink():
+        return f"its target {target} exists"
+    siblings = [p for p in staging_dirs_of(target) if p != staging]
+    newer = [p for p in siblings if _tree_size_and_mtime(p)[1] > _tree_size_and_mtime(staging)[1]]
+    if newer:
+        return f"another export of {target} staged in {newer[-1].name} later"
+    return ""
+
+
+def orphans_of(target: Path, current: Path | None = None) -> list[Path]:
+    """Staging dirs of `target` other than `current` (the one this export uses): resumed by nothing now."""
+    return [p for p in staging_dirs_of(target) if current is None or p != Path(current)]
+
+
+def clear_publish_leftovers(target: Path) -> list[str]:
+    """Remove what a kill after the publish rename left beside a published `target`; the paths removed.
+
+    The rename moved the artifact out of its staging dir, so a staging dir of an existing target
+    without `artifact/` is a finished export's remainder, and a lock file no process holds is a
+    killed holder's. Nothing is touched while another export holds the lock.
+    """
+    target = Path(target).expanduser().absolute()
+    if not (target.exists() or target.is_symlink()):
+        return []
+    lock = lock_path_for(target)
+    had_lock = lock.exists()
+    if not had_lock and all((p / "artifact").exists() for p in staging_dirs_of(target)):
+        return []
+    empty: list[Path] = []
+    try:
+        with TargetLock(lock):  # released, the lock file is unlinked: the stale one goes with it
+            empty = [p for p in staging_dirs_of(target) if not (p / "artifact").exists()]  # listed under the lock
+            for staging in empty:
+                shutil.rmtree(staging)
+    except (ConcurrentExportError, OSError):
+        return []  # a running export (or one of ours in this process) owns them
+    return [str(p) for p in empty] + ([str(lock)] if had_lock else [])
+
+
 def describe_staging(staging: Path, *, now: float | None = None) -> StagingInfo:
     """Size, age (since the last write), resumable shards and lock state of one staging dir."""
     size, newest = _tree_size_and_mtime(staging)
@@ -154,6 +203,7 @@ def describe_staging(staging: Path, *, now: float | None = None) -> StagingInfo:
         resumable_shards=count_resumable_shards(staging),
         has_manifest=any((staging / "artifact").rglob("merge_manifest.json")),
         locked=lock_is_held(lock_path_for(target)),
+        orphaned=orphan_reason(staging),
     )
 
 
