@@ -100,6 +100,8 @@ def test_merge_run_name_logs_and_summary_through_the_client(tmp_path: Path, pref
     table = _artifact("merge-manifest-run-ui-step7", run.id).data
     rows = table if isinstance(table, list) else __import__("json").loads(table)
     assert rows and all(r["bytes"] == (target / r["file"]).stat().st_size and r["size"] for r in rows)
+    digests = __import__("json").loads((target / "merge_manifest.json").read_text())["files"]
+    assert all(r["sha256"] == digests[r["file"]][:16] + "…" for r in rows)  # readable; the full one in the manifest
     assert _artifact("merge-progress-run-ui-step7", run.id).type == "progress"
 
 
