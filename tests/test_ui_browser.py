@@ -74,8 +74,8 @@ def open_tab(driver: object, label: str) -> None:
     tab.click()
 
 
-def open_artifact(driver: object, key: str) -> None:
-    """Open an artifact's own page from the run's Artifacts tab (its card names the key)."""
+def click_text(driver: object, key: str) -> None:
+    """Click the innermost element whose text is `key` (an artifact's card on the Artifacts tab, "See More")."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions
     from selenium.webdriver.support.ui import WebDriverWait
@@ -117,7 +117,7 @@ def test_printed_links_open_the_run_in_a_browser(tmp_path: Path, pristine_flux_w
         open_tab(browser, "Artifacts")
         wait_for_text(browser, *(f"merge-{kind}-ckpt-step1" for kind in ("progress", "manifest", "summary")))
         screenshot(browser, shots, "merge-artifacts")
-        open_artifact(browser, "merge-manifest-ckpt-step1")
+        click_text(browser, "merge-manifest-ckpt-step1")
         digests = json.loads((tmp_path / "out" / "merge_manifest.json").read_text())["files"]
         wait_for_text(browser, "diffusion_pytorch_model.safetensors", digests["diffusion_pytorch_model.safetensors"][:16])
         screenshot(browser, shots, "merge-manifest-table")
@@ -140,7 +140,14 @@ def test_printed_links_open_the_run_in_a_browser(tmp_path: Path, pristine_flux_w
         reason = re.search(r"ArtifactInvalidError: (.+)$", failed.stderr, re.M)
         assert reason is not None, failed.stderr
         browser.get(failed_link.group(2))  # type: ignore[attr-defined]
-        wait_for_text(browser, failed_link.group(1), "Failed", reason.group(1).strip())
+        why = reason.group(1).strip()
+        wait_for_text(browser, failed_link.group(1), "Failed", "validate-artifact", f"Failed with ArtifactInvalidError: {why}")
         screenshot(browser, shots, "validate-failed")
+        assert "Traceback" not in _body(browser), "the reason sits above a traceback again"  # that is at debug level
+        open_tab(browser, "Details")  # the run's state message: the reason on the page itself, not only in the log
+        wait_for_text(browser, "State Message", "ArtifactInvalidError")
+        click_text(browser, "See More")  # the UI cuts a long state message
+        wait_for_text(browser, why)
+        screenshot(browser, shots, "validate-failed-details")
     finally:
         local_server.stop_local_server(home)
