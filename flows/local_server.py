@@ -279,12 +279,21 @@ def _alive_and_healthy(state: ServerState, patience_s: float = 10.0) -> bool:
     return False
 
 
+def _ui_asks_itself(state: ServerState) -> bool:
+    """The server's UI asks its own API for data (a server started by an older mergeflow asked port 4200)."""
+    try:
+        with urllib.request.urlopen(f"{state.ui_url}/ui-settings", timeout=5) as response:
+            return json.loads(response.read()).get("api_url") == state.api_url
+    except (urllib.error.URLError, OSError, ValueError, AttributeError):
+        return False
+
+
 def start_local_server(home: Path | None = None) -> tuple[ServerState, bool]:
     """The running background server, started if needed; True when this call started it."""
     home = home or prefect_home()
     with _server_lock(home):
         state = read_state(home)
-        if state is not None and _alive_and_healthy(state):
+        if state is not None and _alive_and_healthy(state) and _ui_asks_itself(state):
             return state, False
         if state is not None and _is_our_server(state):
             _stop_group(state.pid)  # running but not answering: replace it rather than leave it behind

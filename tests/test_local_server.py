@@ -114,3 +114,25 @@ def test_the_command_server_prints_no_link_and_a_users_server_its_own_ui(tmp_pat
     assert theirs.returncode == 0, theirs.stderr
     assert re.search(r"^mergeflow: flow run merge-ckpt-step1: http://ui\.example\.invalid:8080/runs/flow-run/[0-9a-f-]{36}$",
                      theirs.stderr, re.M), theirs.stderr
+
+
+def test_a_server_whose_ui_asks_another_port_is_replaced(tmp_path: Path) -> None:
+    """A background server started before the UI's API address was set (its UI asked :4200) is not reused."""
+    home = tmp_path / "prefect-home"
+    home.mkdir()
+    port = local_server._free_port()
+    env = {**local_server._server_env(home, "http://127.0.0.1:4200/api")}
+    old = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port),
+                            "--analytics-off"], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.STDOUT, start_new_session=True, cwd=home)
+    try:
+        local_server._wait_healthy(old, f"http://127.0.0.1:{port}/api", home / "none.log")
+        stale = local_server.ServerState(pid=old.pid, port=port, api_url=f"http://127.0.0.1:{port}/api",
+                                         ui_url=f"http://127.0.0.1:{port}", started_at=0.0, log_path="")
+        local_server._write_state(home, stale)
+        state, started = local_server.start_local_server(home)
+        assert started and state.pid != old.pid and not local_server.is_running(old.pid)
+        assert httpx.get(f"{state.ui_url}/ui-settings", timeout=10).json()["api_url"] == state.api_url
+    finally:
+        local_server._stop_group(old.pid)
+        local_server.stop_local_server(home)
