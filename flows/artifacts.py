@@ -15,6 +15,7 @@ from prefect.artifacts import (
 
 from mergeflow.export.progress import human_bytes
 from mergeflow.flows.run_names import export_label
+from mergeflow.formats.manifest import MANIFEST_NAME
 from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.lora.artifact import ADAPTER_DIR
 from mergeflow.records import MergePlan
@@ -65,12 +66,19 @@ def tree_sizes(root: Path) -> dict[str, int]:
     return {p.relative_to(root).as_posix(): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+# The UI's table gives each column a share of the page: a full 64-digit sha256 was cut behind a
+# scrollbar. The table shows its start (enough to tell files apart and to match by eye); the full
+# digests are in the artifact's merge_manifest.json, which the table's description names.
+SHORT_DIGEST_CHARS = 16
+
+
 def manifest_rows(manifest: JsonObject, sizes: dict[str, int]) -> list[dict[str, object]]:
-    """One table row per manifest file: path, size and sha256 (a LoRA-only export lists files below lora_adapter/)."""
+    """One table row per manifest file: path, size and sha256's start (a LoRA-only export lists files below lora_adapter/)."""
     rows = []
     for rel, digest in manifest["files"].items():
         size = sizes.get(rel, sizes.get(f"{ADAPTER_DIR}/{rel}"))
-        rows.append({"file": rel, "size": human_bytes(size) if size is not None else "?", "bytes": size, "sha256": digest})
+        rows.append({"file": rel, "size": human_bytes(size) if size is not None else "?", "bytes": size,
+                     "sha256": f"{digest[:SHORT_DIGEST_CHARS]}…"})
     return rows
 
 
@@ -119,7 +127,8 @@ def publish_manifest_artifacts(plan: MergePlan, manifest: JsonObject, output_dir
     sizes = tree_sizes(Path(output_dir))
     total = sum(sizes.values())
     create_table_artifact(table=manifest_rows(manifest, sizes), key=artifact_key("merge-manifest", label),
-                          description="Files of the published artifact: size and sha256")
+                          description=f"Files of the published artifact: size and the start of each sha256 "
+                                      f"(the full digests are in its {MANIFEST_NAME})")
     create_markdown_artifact(markdown=summary_markdown(plan, manifest, output_dir, total),
                              key=artifact_key("merge-summary", label), description="Export summary")
     return total

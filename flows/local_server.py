@@ -201,9 +201,17 @@ def _startup_timeout() -> float:
         return DEFAULT_STARTUP_TIMEOUT_S
 
 
-def _server_env(home: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_API_KEY", "PREFECT_UI_URL")}
+# The UI asks this address for its data (GET /ui-settings reports it). Prefect derives it from
+# PREFECT_SERVER_API_PORT, never from `--port`: a server on a free port whose UI still asked
+# 127.0.0.1:4200 showed a blank page, or another server's runs when one listened there.
+UI_API_URL_VARS = ("PREFECT_SERVER_UI_API_URL", "PREFECT_UI_API_URL")
+
+
+def _server_env(home: Path, api_url: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PREFECT_API_URL", "PREFECT_API_KEY", "PREFECT_UI_URL", *UI_API_URL_VARS)}
     env["PREFECT_HOME"] = str(home)
+    env["PREFECT_SERVER_UI_API_URL"] = api_url
     env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
     # The CLI silences its own console logs; the server's log file should still say what happens.
     env.pop("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", None)
@@ -232,7 +240,7 @@ def _start(home: Path, *, ends_with_this_process: bool = False) -> ServerState:
     if ends_with_this_process:
         command.append("--no-ui")  # its runs vanish with it: no UI to link to
     with open(log_path, "ab") as log:
-        process = subprocess.Popen(command, env=_server_env(home), stdin=subprocess.DEVNULL, stdout=log,
+        process = subprocess.Popen(command, env=_server_env(home, api_url), stdin=subprocess.DEVNULL, stdout=log,
                                    stderr=subprocess.STDOUT, start_new_session=True, cwd=home,
                                    preexec_fn=_end_with_parent if ends_with_this_process else None)
     try:
@@ -271,12 +279,21 @@ def _alive_and_healthy(state: ServerState, patience_s: float = 10.0) -> bool:
     return False
 
 
+def _ui_asks_itself(state: ServerState) -> bool:
+    """The server's UI asks its own API for data (a server started by an older mergeflow asked port 4200)."""
+    try:
+        with urllib.request.urlopen(f"{state.ui_url}/ui-settings", timeout=5) as response:
+            return json.loads(response.read()).get("api_url") == state.api_url
+    except (urllib.error.URLError, OSError, ValueError, AttributeError):
+        return False
+
+
 def start_local_server(home: Path | None = None) -> tuple[ServerState, bool]:
     """The running background server, started if needed; True when this call started it."""
     home = home or prefect_home()
     with _server_lock(home):
         state = read_state(home)
-        if state is not None and _alive_and_healthy(state):
+        if state is not None and _alive_and_healthy(state) and _ui_asks_itself(state):
             return state, False
         if state is not None and _is_our_server(state):
             _stop_group(state.pid)  # running but not answering: replace it rather than leave it behind
@@ -324,7 +341,7 @@ def ensure_command_server() -> ServerState | None:
         return None
     state = start_command_server()
     os.environ["PREFECT_API_URL"] = state.api_url
-    os.environ.setdefault("PREFECT_UI_URL", "")  # no flow-run links to a UI that ends with the command
+    os.environ["PREFECT_UI_URL"] = ""  # --no-ui: no flow-run link at all (a user's PREFECT_UI_URL names another server)
     return state
 
 
@@ -341,6 +358,7 @@ def ensure_local_server(stream: IO[str] = sys.stderr) -> ServerState | None:
         print(f"mergeflow: started a local Prefect server at {state.ui_url} (runs stay visible there; "
               "stop it with 'mergeflow server stop')", file=stream, flush=True)
     os.environ["PREFECT_API_URL"] = state.api_url
+    os.environ["PREFECT_UI_URL"] = state.ui_url  # the links name this server's UI, whatever PREFECT_UI_URL said
     return state
 
 
@@ -365,7 +383,8 @@ def server_status(home: Path | None = None) -> JsonObject:
     running = state is not None and _is_our_server(state) and healthy(state.api_url)
     out: JsonObject = {"running": running, "state_file": str(home / STATE_FILE)}
     if state is not None:
-        out.update(url=state.ui_url, api_url=state.api_url, pid=state.pid, port=state.port, log=state.log_path)
+        # `url` is the older key; `ui_url` says what it is: the address to open in a browser.
+        out.update(ui_url=state.ui_url, url=state.ui_url, api_url=state.api_url, pid=state.pid, port=state.port, log=state.log_path)
     if configured_api_url():
         out["configured_api_url"] = configured_api_url()  # commands use this one, not the local server
     return out

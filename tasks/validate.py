@@ -25,7 +25,7 @@ def validate_staged_task(plan: MergePlan, manifest: JsonObject,
     return validate_staged(plan, manifest, verified)
 
 
-@task(name="validate-artifact", task_run_name="validate-{path}")
+@task(name="validate-artifact", task_run_name="validate-artifact")  # the flow run names the artifact: no machine path here
 def validate_artifact_task(path: str) -> JsonObject:
     """Validate a published (or staged) artifact without its source checkpoint."""
     summary = validate_artifact_dir(Path(path))

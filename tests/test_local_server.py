@@ -67,7 +67,11 @@ def test_second_merge_reuses_the_background_server(tmp_path: Path, pristine_flux
             assert run["name"] == match.group(1) and run["state_type"] == "COMPLETED"
 
         status = mergeflow(["server", "status"], env)
-        assert json.loads(status.stdout.strip().splitlines()[-1])["running"] is True, status.stderr
+        reported = json.loads(status.stdout.strip().splitlines()[-1])
+        assert reported["running"] is True and reported["ui_url"] == f"http://127.0.0.1:{state['port']}", status.stderr
+        # The UI asks this address for its data: its own port, not Prefect's default 4200.
+        ui_settings = httpx.get(f"{reported['ui_url']}/ui-settings", timeout=10).json()
+        assert ui_settings["api_url"] == state["api_url"]
         stop = mergeflow(["server", "stop"], env)
         assert stop.returncode == 0, stop.stderr
         assert json.loads(stop.stdout.strip().splitlines()[-1]) == {"stopped": True, "pid": state["pid"]}
@@ -90,3 +94,45 @@ def test_opt_out_and_a_configured_api_start_no_server(tmp_path: Path, monkeypatc
     assert local_server.configured_api_url() == "http://127.0.0.1:9/api"
     assert local_server.ensure_local_server() is None
     assert not (tmp_path / local_server.STATE_FILE).exists()
+
+
+def test_the_command_server_prints_no_link_and_a_users_server_its_own_ui(tmp_path: Path, pristine_flux_w2: Export,
+                                                                       prefect_server: object) -> None:
+    """MERGEFLOW_LOCAL_SERVER=0 runs --no-ui: no link, even with a PREFECT_UI_URL; a user's own server: their UI."""
+    ex = clone_export(pristine_flux_w2, tmp_path)
+    merge = ["merge", "--backend", "fsdp", "--local_dir", str(ex.actor_dir), "--base_model", str(ex.base_dir),
+             "--output_format", "transformer", "--target_dir"]
+    env = newcomer_env(tmp_path / "prefect-home")
+    env.update(MERGEFLOW_LOCAL_SERVER="0", PREFECT_UI_URL="http://127.0.0.1:4200")
+    alone = mergeflow([*merge, str(tmp_path / "out1")], env)
+    assert alone.returncode == 0, alone.stderr
+    assert "mergeflow: flow run" not in alone.stderr and "http://" not in alone.stderr, alone.stderr
+
+    own = prefect_server.client_env(newcomer_env(tmp_path / "prefect-home"))  # type: ignore[attr-defined]
+    own["PREFECT_UI_URL"] = "http://ui.example.invalid:8080"
+    theirs = mergeflow([*merge, str(tmp_path / "out2")], own)
+    assert theirs.returncode == 0, theirs.stderr
+    assert re.search(r"^mergeflow: flow run merge-ckpt-step1: http://ui\.example\.invalid:8080/runs/flow-run/[0-9a-f-]{36}$",
+                     theirs.stderr, re.M), theirs.stderr
+
+
+def test_a_server_whose_ui_asks_another_port_is_replaced(tmp_path: Path) -> None:
+    """A background server started before the UI's API address was set (its UI asked :4200) is not reused."""
+    home = tmp_path / "prefect-home"
+    home.mkdir()
+    port = local_server._free_port()
+    env = {**local_server._server_env(home, "http://127.0.0.1:4200/api")}
+    old = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port),
+                            "--analytics-off"], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.STDOUT, start_new_session=True, cwd=home)
+    try:
+        local_server._wait_healthy(old, f"http://127.0.0.1:{port}/api", home / "none.log")
+        stale = local_server.ServerState(pid=old.pid, port=port, api_url=f"http://127.0.0.1:{port}/api",
+                                         ui_url=f"http://127.0.0.1:{port}", started_at=0.0, log_path="")
+        local_server._write_state(home, stale)
+        state, started = local_server.start_local_server(home)
+        assert started and state.pid != old.pid and not local_server.is_running(old.pid)
+        assert httpx.get(f"{state.ui_url}/ui-settings", timeout=10).json()["api_url"] == state.api_url
+    finally:
+        local_server._stop_group(old.pid)
+        local_server.stop_local_server(home)

@@ -100,6 +100,8 @@ def test_merge_run_name_logs_and_summary_through_the_client(tmp_path: Path, pref
     table = _artifact("merge-manifest-run-ui-step7", run.id).data
     rows = table if isinstance(table, list) else __import__("json").loads(table)
     assert rows and all(r["bytes"] == (target / r["file"]).stat().st_size and r["size"] for r in rows)
+    digests = __import__("json").loads((target / "merge_manifest.json").read_text())["files"]
+    assert all(r["sha256"] == digests[r["file"]][:16] + "…" for r in rows)  # readable; the full one in the manifest
     assert _artifact("merge-progress-run-ui-step7", run.id).type == "progress"
 
 
@@ -221,3 +223,37 @@ def test_the_serve_feed_follows_a_deployment_run_on_the_server(tmp_path: Path, p
     lines = out.getvalue().splitlines()
     assert lines[:1] == [f"mergeflow serve: started {run.name} ({run.id})"], lines
     assert len(lines) == 2 and lines[1].startswith(f"mergeflow serve: {run.name} Completed"), lines
+
+
+def test_a_mergeflow_failure_logs_its_reason_and_its_traceback_only_at_debug() -> None:
+    import logging
+
+    from mergeflow.tasks import ReasonFirst
+
+    assert any(isinstance(f, ReasonFirst) for f in logging.getLogger("prefect.task_runs").filters)
+    assert any(isinstance(f, ReasonFirst) for f in logging.getLogger("prefect.flow_runs").filters)
+    logger = logging.getLogger(f"mergeflow-test-reason-{uuid4().hex}")
+    logger.propagate = False
+    logger.addFilter(ReasonFirst())
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger.addHandler(handler)
+
+    def fail(exc: Exception) -> None:
+        try:
+            raise exc
+        except Exception:
+            logger.error("Task run failed with exception: %r - Retries are exhausted", exc, exc_info=True)
+
+    logger.setLevel(logging.INFO)
+    fail(ArtifactInvalidError("config.json does not match its sha256"))
+    assert [(r.levelname, r.getMessage(), r.exc_info) for r in records] == [
+        ("ERROR", "Failed with ArtifactInvalidError: config.json does not match its sha256", None)]
+    records.clear()
+    logger.setLevel(logging.DEBUG)
+    fail(ArtifactInvalidError("config.json does not match its sha256"))
+    assert [r.levelname for r in records] == ["DEBUG", "ERROR"] and records[0].exc_info and not records[1].exc_info
+    records.clear()
+    fail(ValueError("a bug"))  # not a mergeflow error: the traceback stays with it
+    assert len(records) == 1 and records[0].exc_info and "Retries are exhausted" in records[0].getMessage()
