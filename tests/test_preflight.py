@@ -91,6 +91,19 @@ def _fuse_lora_without_lora(ex: Export) -> list[str]:
     return [*merge_args(ex, ex.root / "out"), "--fuse-lora"]
 
 
+def _adapter_name_without_lora(ex: Export) -> list[str]:
+    return [*merge_args(ex, ex.root / "out"), "--adapter-name", "mine"]
+
+
+def _adapter_format_without_lora(ex: Export) -> list[str]:
+    return [*merge_args(ex, ex.root / "out"), "--adapter-format", "diffusers"]
+
+
+def _adapter_config_without_lora(ex: Export) -> list[str]:
+    (ex.root / "adapter_config.json").write_text('{"r": 4, "lora_alpha": 8}')
+    return [*merge_args(ex, ex.root / "out"), "--adapter-config", str(ex.root / "adapter_config.json")]
+
+
 def _dcp_without_a_model_config(ex: Export) -> list[str]:
     # A DCP (accelerate's pytorch_model_fsdp_0/) carries no config, and a Hub-named base has none here either:
     # refused from the listing alone, without reading .metadata (a pickle: torch would be imported).
@@ -111,6 +124,9 @@ REFUSALS: dict[str, tuple[Callable[[Export], list[str]], str]] = {
     "unknown-pipeline-class": (_unknown_pipeline_class, "unknown pipeline class"),
     "pipeline-output-needs-pipeline-base": (_pipeline_output_of_a_transformer_base, "needs a base pipeline"),
     "fuse-lora-without-lora": (_fuse_lora_without_lora, "--fuse-lora"),
+    "adapter-name-without-lora": (_adapter_name_without_lora, "--adapter-name is for LoRA checkpoints"),
+    "adapter-format-without-lora": (_adapter_format_without_lora, "--adapter-format is for LoRA checkpoints"),
+    "adapter-config-without-lora": (_adapter_config_without_lora, "--adapter-config is for LoRA checkpoints"),
     "dcp-without-a-model-config": (_dcp_without_a_model_config, "a DCP checkpoint carries no model config"),
 }
 

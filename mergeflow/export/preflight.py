@@ -102,8 +102,7 @@ def _check_lora_flags(config: ModelMergerConfig, has_meta: bool) -> None:
         return
     # Without lora_train_meta.json the flow refuses LoRA flags: either the checkpoint has no
     # adapters, or it has some whose r and lora_alpha are unknown.
-    used = [flag for flag, on in (("--fuse-lora", config.fuse_lora), ("--adapter-config", bool(config.adapter_config)),
-                                  ("--adapter-format", config.adapter_format != "peft")) if on]
+    used = config.lora_flags()
     if used:
         raise UsageError(f"{used[0]} is for LoRA checkpoints, but this one has no {LORA_META} (a LoRA run's "
                          f"actor directory holds it); drop {used[0]} or copy {LORA_META} from the training run")
