@@ -53,6 +53,14 @@ def _missing_local_dir(ex: Export) -> list[str]:
     return merge_args(ex, ex.root / "out", **{"--local_dir": str(ex.root / "no-such-actor")})
 
 
+def _missing_step(ex: Export) -> list[str]:
+    # The run saved steps 1, 60 and 80 (actor/ in each); the user typed step 70.
+    run = ex.actor_dir.parents[1]
+    for step in (60, 80):
+        (run / f"global_step_{step}" / "actor").mkdir(parents=True)
+    return merge_args(ex, ex.root / "out", **{"--local_dir": str(run / "global_step_70" / "actor")})
+
+
 def _existing_target(ex: Export) -> list[str]:
     (ex.root / "taken").mkdir()
     return merge_args(ex, ex.root / "taken")
@@ -115,7 +123,8 @@ def _dcp_without_a_model_config(ex: Export) -> list[str]:
 
 
 REFUSALS: dict[str, tuple[Callable[[Export], list[str]], str]] = {
-    "missing-local-dir": (_missing_local_dir, "is not a directory"),
+    "missing-local-dir": (_missing_local_dir, "no-such-actor does not exist"),
+    "missing-step": (_missing_step, "global_step_70/actor does not exist; the nearest checkpoints of that run: "),
     "existing-target": (_existing_target, "already exists"),
     "overlapping-dirs": (_overlapping_dirs, "overlap"),
     "malformed-fsdp-config": (_malformed_fsdp_config, "fsdp_config.json is not valid JSON"),
@@ -186,6 +195,27 @@ def test_a_refusal_through_python_m_mergeflow_is_exit_2_and_one_line(ex: Export,
     assert proc.returncode == 2 and proc.stdout == "" and len(lines) == 1, proc.stderr
     assert lines[0].startswith("mergeflow: error:") and "already exists" in lines[0]
     assert not (home / "mergeflow-server.json").exists()
+
+
+def test_a_missing_local_dir_lists_the_runs_nearest_checkpoints(ex: Export) -> None:
+    run = ex.actor_dir.parents[1]  # holds global_step_1/actor
+    for step in (20, 60, 80, 200):
+        (run / f"global_step_{step}" / "actor").mkdir(parents=True)
+    (run / "global_step_75").mkdir()  # no actor/ in it (an interrupted save): listed as it is
+    (run / "global_step_x").mkdir()  # not a step
+    with pytest.raises(E.CheckpointError) as info:
+        preflight_merge(ex.config(ex.root / "out", local_dir=str(run / "global_step_70" / "actor")))
+    assert str(info.value) == (f"--local_dir {run / 'global_step_70' / 'actor'} does not exist; the nearest checkpoints "
+                               f"of that run: {run / 'global_step_75'}, {run / 'global_step_80' / 'actor'}, "
+                               f"{run / 'global_step_60' / 'actor'}")
+    with pytest.raises(E.CheckpointError, match=r"does not exist; the nearest checkpoints of that run: .*global_step_200/actor, "):
+        preflight_merge(ex.config(ex.root / "out", local_dir=str(run / "actor")))  # no step typed: the latest first
+    with pytest.raises(E.CheckpointError) as info:
+        preflight_merge(ex.config(ex.root / "out", local_dir=str(ex.root / "elsewhere" / "actor")))
+    assert str(info.value) == f"--local_dir {ex.root / 'elsewhere' / 'actor'} does not exist"  # no run there: no list
+    (ex.root / "a-file").write_text("")
+    with pytest.raises(E.CheckpointError, match="a-file is not a directory$"):
+        preflight_merge(ex.config(ex.root / "out", local_dir=str(ex.root / "a-file")))
 
 
 def test_preflight_accepts_a_good_export(ex: Export) -> None:

@@ -24,7 +24,7 @@ from mergeflow.errors import (
     SchemaMismatchError,
     UsageError,
 )
-from mergeflow.formats.checkpoint_dir import format_of, listed_files
+from mergeflow.formats.checkpoint_dir import format_of, listed_files, require_local_dir
 from mergeflow.formats.dcp_layout import NO_MODEL_CONFIG
 from mergeflow.formats.verl_checkpoint import (
     LORA_META,
@@ -49,8 +49,7 @@ def resolve_inputs(config: ModelMergerConfig) -> dict[str, Path]:
         )
     base = base.resolve()
     target = check_target(Path(config.target_dir or ""))
-    if not actor.is_dir():
-        raise CheckpointError(f"--local_dir {actor} is not a directory")
+    require_local_dir(actor)
     check_no_overlap({"--local_dir": actor, "--base_model": base, "--target_dir": target})
     check_no_overlap({"--hf_model_config_path": cfg_dir, "--target_dir": target})
     check_no_overlap({"--hf_model_config_path": cfg_dir, "--base_model": base})
@@ -71,8 +70,7 @@ def preflight_merge(config: ModelMergerConfig) -> list[Path]:
     """
     config.validate()
     actor = Path(config.local_dir or "").expanduser().resolve()
-    if not actor.is_dir():
-        raise CheckpointError(f"--local_dir {actor} is not a directory")
+    require_local_dir(actor)
     if format_of(actor) == "dcp":
         _preflight_dcp(config, actor)
         return listed_files(actor)
