@@ -219,8 +219,12 @@ def _running_flows() -> Iterator[None]:
         configured_api_url,
         ensure_command_server,
         ensure_local_server,
+        prefect_home,
     )
+    from mergeflow.io.os_errors import check_prefect_home
 
+    # Before any server or Prefect import: an unusable PREFECT_HOME named as such, not as a bad target.
+    check_prefect_home(prefect_home())
     # First: either may set PREFECT_API_URL, which Prefect reads when imported.
     started = ensure_local_server() or ensure_command_server()
     if started is None and configured_api_url():
@@ -309,6 +313,9 @@ def cmd_server(args: argparse.Namespace) -> JsonObject:
     from mergeflow.flows import local_server
 
     if args.action == "start":  # explicit: started even where commands would use another API
+        from mergeflow.io.os_errors import check_prefect_home
+
+        check_prefect_home(local_server.prefect_home())
         _, started = local_server.start_local_server()
         return {**local_server.server_status(), "started": started}
     if args.action == "stop":

@@ -12,7 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -216,6 +216,72 @@ def test_a_missing_local_dir_lists_the_runs_nearest_checkpoints(ex: Export) -> N
     (ex.root / "a-file").write_text("")
     with pytest.raises(E.CheckpointError, match="a-file is not a directory$"):
         preflight_merge(ex.config(ex.root / "out", local_dir=str(ex.root / "a-file")))
+
+
+@pytest.fixture()
+def read_only_dir(tmp_path: Path) -> Iterator[tuple[Path, str]]:
+    """An existing directory no file can be created in, and the refusal's reason: a read-only tmpfs where a
+    mount is allowed (root in a container; root ignores mode bits), else mode 0555 for a user who is not root."""
+    path = tmp_path / "ro"
+    path.mkdir()
+    if os.geteuid() == 0:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro", "tmpfs", str(path)], capture_output=True, check=False)
+        if done.returncode != 0:
+            pytest.skip("root without permission to mount: no directory root cannot write to")
+        try:
+            yield path, "read-only filesystem"
+        finally:
+            subprocess.run(["umount", str(path)], check=False)
+        return
+    path.chmod(0o555)
+    try:
+        yield path, "permission denied"
+    finally:
+        path.chmod(0o755)
+
+
+def _one_refusal(args: list[str], env: dict[str, str]) -> str:
+    """Run the real entry point once; assert exit 2, one `mergeflow: error:` line, no stdout; return that line."""
+    proc = subprocess.run([sys.executable, "-m", "mergeflow", *args], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and proc.stdout == "" and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("mergeflow: error: "), lines
+    return lines[0]
+
+
+def test_an_unwritable_target_parent_is_refused_by_the_preflight(ex: Export, tmp_path: Path,
+                                                                  read_only_dir: tuple[Path, str]) -> None:
+    """Refused before Prefect (no server, no run to fail in the UI), naming the parent and the fix."""
+    parent, reason = read_only_dir
+    home = tmp_path / "prefect-home"
+    line = _one_refusal(merge_args(ex, parent / "out"), refusal_env(home))
+    assert line.startswith(f"mergeflow: error: {reason}: {parent} (the parent of --target_dir)"), line
+    assert not (home / "mergeflow-server.json").exists() and not home.exists()
+    with pytest.raises(E.FileAccessError, match=reason):  # the pre-flight itself, as the CLI runs it
+        preflight_merge(ex.config(parent / "out"))
+    with pytest.raises(E.TargetExistsError):  # an existing target keeps its own refusal
+        preflight_merge(ex.config(parent))
+
+
+def test_an_unusable_prefect_home_is_named_before_any_work(ex: Export, tmp_path: Path,
+                                                            read_only_dir: tuple[Path, str]) -> None:
+    """PREFECT_HOME read-only, a file, or under a file: one line naming PREFECT_HOME, never the target."""
+    ro, reason = read_only_dir
+    (tmp_path / "a-file").write_text("")
+    fix = "set PREFECT_HOME to a writable directory"
+    cases = {
+        ro: f"PREFECT_HOME {ro} is unusable: {reason}; {fix}",
+        ro / "prefect": f"PREFECT_HOME {ro / 'prefect'} is unusable: {reason} (it does not exist, and cannot be created in {ro}); {fix}",
+        tmp_path / "a-file": f"PREFECT_HOME {tmp_path / 'a-file'} is not a directory; {fix}",
+        tmp_path / "a-file" / "prefect": f"PREFECT_HOME {tmp_path / 'a-file' / 'prefect'} cannot be created ({tmp_path / 'a-file'} is not a directory); {fix}",
+    }
+    for n, (home, message) in enumerate(cases.items()):
+        line = _one_refusal(merge_args(ex, tmp_path / f"out{n}"), refusal_env(home))
+        assert line.startswith(f"mergeflow: error: {message}"), line
+        assert not (tmp_path / f"out{n}").exists()
+    line = _one_refusal(["server", "start"], refusal_env(tmp_path / "a-file"))
+    assert line.startswith(f"mergeflow: error: PREFECT_HOME {tmp_path / 'a-file'} is not a directory"), line
 
 
 def test_preflight_accepts_a_good_export(ex: Export) -> None:

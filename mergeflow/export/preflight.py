@@ -32,6 +32,7 @@ from mergeflow.formats.verl_checkpoint import (
     read_fsdp_config,
 )
 from mergeflow.io.jsonfiles import JsonObject, read_json_strict
+from mergeflow.io.os_errors import check_target_parent
 from mergeflow.io.paths import check_no_overlap, check_target
 
 CHECKPOINT_CONFIG = "huggingface/config.json of the checkpoint"
@@ -71,6 +72,7 @@ def preflight_merge(config: ModelMergerConfig) -> list[Path]:
     config.validate()
     actor = Path(config.local_dir or "").expanduser().resolve()
     require_local_dir(actor)
+    check_target_parent(Path(config.target_dir or ""))  # else the flow's first write says it, after a server start
     if format_of(actor) == "dcp":
         _preflight_dcp(config, actor)
         return listed_files(actor)
