@@ -37,6 +37,12 @@ def typed_os_error(exc: OSError, doing: str = "") -> MergeflowError | None:
     if exc.errno in DISK_FULL:
         return DiskFullError(f"no space left{what} ({reason}: {where}); free space (or raise the quota or file size "
                              "limit) on that filesystem and rerun the same command to resume")
+    if exc.errno in _DENIED or exc.errno == errno.EROFS:
+        kind = "read-only filesystem" if exc.errno == errno.EROFS else "permission denied"
+        home = _under_prefect_home(exc)
+        if home is not None:  # Prefect's own files: the target is not to blame
+            return FileAccessError(f"{kind}{what}: {where} is in PREFECT_HOME ({home}); "
+                                   "set PREFECT_HOME to a writable directory")
     if exc.errno in _DENIED:
         return FileAccessError(f"permission denied{what}: {where}; fix its permissions or choose another path")
     if exc.errno == errno.EROFS:
@@ -46,6 +52,14 @@ def typed_os_error(exc: OSError, doing: str = "") -> MergeflowError | None:
     if exc.errno in (errno.EIO, errno.ENXIO, errno.ESTALE):
         return StorageIOError(f"{reason}{what} ({where}): the disk or network filesystem failed; rerun once it is healthy")
     return None
+
+
+def _under_prefect_home(exc: OSError) -> Path | None:
+    """PREFECT_HOME (as Prefect resolves it) when the failing path lies in it, else None."""
+    home = Path(os.environ.get("PREFECT_HOME") or "~/.prefect").expanduser().absolute()
+    names = [Path(os.fsdecode(n)).expanduser().absolute() for n in (exc.filename, exc.filename2)
+             if isinstance(n, (str, bytes, os.PathLike))]
+    return home if any(n == home or home in n.parents for n in names) else None
 
 
 def unwritable_dir_reason(directory: Path) -> str | None:
