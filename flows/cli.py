@@ -219,7 +219,6 @@ def _running_flows(announce: str | None = None) -> Iterator[None]:
     `announce` (backfill): the command says on stderr which server it uses, as serve and watch do.
     """
     from mergeflow.flows.events import use_prefect_api
-
     # First: it may set PREFECT_API_URL, which Prefect reads when imported. The user's server down,
     # or refusing our credentials: one line now, not a traceback mid-export.
     use_prefect_api(announce)
@@ -304,6 +303,9 @@ def cmd_server(args: argparse.Namespace) -> JsonObject:
     from mergeflow.flows import local_server
 
     if args.action == "start":  # explicit: started even where commands would use another API
+        from mergeflow.io.os_errors import check_prefect_home
+
+        check_prefect_home(local_server.prefect_home())
         _, started = local_server.start_local_server()
         return {**local_server.server_status(), "started": started}
     if args.action == "stop":

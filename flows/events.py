@@ -54,7 +54,10 @@ def use_prefect_api(command: str | None = None, *, own_server: bool = True, stre
     training code and `serve` only meet on the same one.
     """
     from mergeflow.flows import local_server
+    from mergeflow.io.os_errors import check_prefect_home
 
+    # Before any server or Prefect import: an unusable PREFECT_HOME named as such, not as a bad target.
+    check_prefect_home(local_server.prefect_home())
     out = stream or sys.stderr
     if not own_server and not local_server.local_server_enabled() and not local_server.configured_api_url():
         raise UsageError(f"{command} sends events to the server `mergeflow serve` uses, and {local_server.OPT_OUT_VAR}=0 "

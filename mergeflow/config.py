@@ -77,6 +77,13 @@ class ModelMergerConfig:
             return self.hf_model_config_path is not None
         return os.path.isfile(os.path.join(os.path.expanduser(default), "config.json"))
 
+    def lora_flags(self) -> list[str]:
+        """The adapter flags given a non-default value: each needs a LoRA checkpoint (one list, so the
+        pre-flight and the flow refuse the same flags on a full checkpoint)."""
+        given = (("--fuse-lora", self.fuse_lora), ("--adapter-name", self.adapter_name != "default"),
+                 ("--adapter-format", self.adapter_format != "peft"), ("--adapter-config", bool(self.adapter_config)))
+        return [flag for flag, on in given if on]
+
     def validate(self) -> None:
         """Refuse flag values that cannot work, before any file is touched."""
         if self.backend != "fsdp":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import pickle
+from pathlib import Path
 
 import pytest
 
@@ -74,6 +75,20 @@ def test_the_os_errors_users_meet_become_one_line_refusals(code: int, error: str
     assert words in str(typed) and "/data/out/model.safetensors" in str(typed) and "\n" not in str(typed)
     assert typed.retryable == (code == errno.EIO)  # only a failing disk may heal on a retry
     assert typed.resumable == (code != errno.ENOENT)  # a vanished input is a new export, not a resume
+
+
+@pytest.mark.parametrize("code,words", [(errno.EROFS, "read-only filesystem"), (errno.EACCES, "permission denied")])
+def test_a_failing_write_in_prefect_home_names_prefect_home(code: int, words: str, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from mergeflow.io.os_errors import typed_os_error
+
+    home = tmp_path / "prefect"
+    monkeypatch.setenv("PREFECT_HOME", str(home))
+    typed = typed_os_error(OSError(code, os.strerror(code), str(home / "storage" / "x")))
+    assert typed is not None and str(typed) == (f"{words}: {home / 'storage' / 'x'} is in PREFECT_HOME ({home}); "
+                                                "set PREFECT_HOME to a writable directory")
+    elsewhere = typed_os_error(OSError(code, os.strerror(code), str(tmp_path / "out")))
+    assert elsewhere is not None and "PREFECT_HOME" not in str(elsewhere)
 
 
 def test_other_os_errors_stay_internal() -> None:

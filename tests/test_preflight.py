@@ -12,7 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -53,6 +53,14 @@ def _missing_local_dir(ex: Export) -> list[str]:
     return merge_args(ex, ex.root / "out", **{"--local_dir": str(ex.root / "no-such-actor")})
 
 
+def _missing_step(ex: Export) -> list[str]:
+    # The run saved steps 1, 60 and 80 (actor/ in each); the user typed step 70.
+    run = ex.actor_dir.parents[1]
+    for step in (60, 80):
+        (run / f"global_step_{step}" / "actor").mkdir(parents=True)
+    return merge_args(ex, ex.root / "out", **{"--local_dir": str(run / "global_step_70" / "actor")})
+
+
 def _existing_target(ex: Export) -> list[str]:
     (ex.root / "taken").mkdir()
     return merge_args(ex, ex.root / "taken")
@@ -91,6 +99,19 @@ def _fuse_lora_without_lora(ex: Export) -> list[str]:
     return [*merge_args(ex, ex.root / "out"), "--fuse-lora"]
 
 
+def _adapter_name_without_lora(ex: Export) -> list[str]:
+    return [*merge_args(ex, ex.root / "out"), "--adapter-name", "mine"]
+
+
+def _adapter_format_without_lora(ex: Export) -> list[str]:
+    return [*merge_args(ex, ex.root / "out"), "--adapter-format", "diffusers"]
+
+
+def _adapter_config_without_lora(ex: Export) -> list[str]:
+    (ex.root / "adapter_config.json").write_text('{"r": 4, "lora_alpha": 8}')
+    return [*merge_args(ex, ex.root / "out"), "--adapter-config", str(ex.root / "adapter_config.json")]
+
+
 def _dcp_without_a_model_config(ex: Export) -> list[str]:
     # A DCP (accelerate's pytorch_model_fsdp_0/) carries no config, and a Hub-named base has none here either:
     # refused from the listing alone, without reading .metadata (a pickle: torch would be imported).
@@ -102,7 +123,8 @@ def _dcp_without_a_model_config(ex: Export) -> list[str]:
 
 
 REFUSALS: dict[str, tuple[Callable[[Export], list[str]], str]] = {
-    "missing-local-dir": (_missing_local_dir, "is not a directory"),
+    "missing-local-dir": (_missing_local_dir, "no-such-actor does not exist"),
+    "missing-step": (_missing_step, "global_step_70/actor does not exist; the nearest checkpoints of that run: "),
     "existing-target": (_existing_target, "already exists"),
     "overlapping-dirs": (_overlapping_dirs, "overlap"),
     "malformed-fsdp-config": (_malformed_fsdp_config, "fsdp_config.json is not valid JSON"),
@@ -111,6 +133,9 @@ REFUSALS: dict[str, tuple[Callable[[Export], list[str]], str]] = {
     "unknown-pipeline-class": (_unknown_pipeline_class, "unknown pipeline class"),
     "pipeline-output-needs-pipeline-base": (_pipeline_output_of_a_transformer_base, "needs a base pipeline"),
     "fuse-lora-without-lora": (_fuse_lora_without_lora, "--fuse-lora"),
+    "adapter-name-without-lora": (_adapter_name_without_lora, "--adapter-name is for LoRA checkpoints"),
+    "adapter-format-without-lora": (_adapter_format_without_lora, "--adapter-format is for LoRA checkpoints"),
+    "adapter-config-without-lora": (_adapter_config_without_lora, "--adapter-config is for LoRA checkpoints"),
     "dcp-without-a-model-config": (_dcp_without_a_model_config, "a DCP checkpoint carries no model config"),
 }
 
@@ -170,6 +195,93 @@ def test_a_refusal_through_python_m_mergeflow_is_exit_2_and_one_line(ex: Export,
     assert proc.returncode == 2 and proc.stdout == "" and len(lines) == 1, proc.stderr
     assert lines[0].startswith("mergeflow: error:") and "already exists" in lines[0]
     assert not (home / "mergeflow-server.json").exists()
+
+
+def test_a_missing_local_dir_lists_the_runs_nearest_checkpoints(ex: Export) -> None:
+    run = ex.actor_dir.parents[1]  # holds global_step_1/actor
+    for step in (20, 60, 80, 200):
+        (run / f"global_step_{step}" / "actor").mkdir(parents=True)
+    (run / "global_step_75").mkdir()  # no actor/ in it (an interrupted save): listed as it is
+    (run / "global_step_x").mkdir()  # not a step
+    with pytest.raises(E.CheckpointError) as info:
+        preflight_merge(ex.config(ex.root / "out", local_dir=str(run / "global_step_70" / "actor")))
+    assert str(info.value) == (f"--local_dir {run / 'global_step_70' / 'actor'} does not exist; the nearest checkpoints "
+                               f"of that run: {run / 'global_step_75'}, {run / 'global_step_80' / 'actor'}, "
+                               f"{run / 'global_step_60' / 'actor'}")
+    with pytest.raises(E.CheckpointError, match=r"does not exist; the nearest checkpoints of that run: .*global_step_200/actor, "):
+        preflight_merge(ex.config(ex.root / "out", local_dir=str(run / "actor")))  # no step typed: the latest first
+    with pytest.raises(E.CheckpointError) as info:
+        preflight_merge(ex.config(ex.root / "out", local_dir=str(ex.root / "elsewhere" / "actor")))
+    assert str(info.value) == f"--local_dir {ex.root / 'elsewhere' / 'actor'} does not exist"  # no run there: no list
+    (ex.root / "a-file").write_text("")
+    with pytest.raises(E.CheckpointError, match="a-file is not a directory$"):
+        preflight_merge(ex.config(ex.root / "out", local_dir=str(ex.root / "a-file")))
+
+
+@pytest.fixture()
+def read_only_dir(tmp_path: Path) -> Iterator[tuple[Path, str]]:
+    """An existing directory no file can be created in, and the refusal's reason: a read-only tmpfs where a
+    mount is allowed (root in a container; root ignores mode bits), else mode 0555 for a user who is not root."""
+    path = tmp_path / "ro"
+    path.mkdir()
+    if os.geteuid() == 0:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro", "tmpfs", str(path)], capture_output=True, check=False)
+        if done.returncode != 0:
+            pytest.skip("root without permission to mount: no directory root cannot write to")
+        try:
+            yield path, "read-only filesystem"
+        finally:
+            subprocess.run(["umount", str(path)], check=False)
+        return
+    path.chmod(0o555)
+    try:
+        yield path, "permission denied"
+    finally:
+        path.chmod(0o755)
+
+
+def _one_refusal(args: list[str], env: dict[str, str]) -> str:
+    """Run the real entry point once; assert exit 2, one `mergeflow: error:` line, no stdout; return that line."""
+    proc = subprocess.run([sys.executable, "-m", "mergeflow", *args], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and proc.stdout == "" and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("mergeflow: error: "), lines
+    return lines[0]
+
+
+def test_an_unwritable_target_parent_is_refused_by_the_preflight(ex: Export, tmp_path: Path,
+                                                                  read_only_dir: tuple[Path, str]) -> None:
+    """Refused before Prefect (no server, no run to fail in the UI), naming the parent and the fix."""
+    parent, reason = read_only_dir
+    home = tmp_path / "prefect-home"
+    line = _one_refusal(merge_args(ex, parent / "out"), refusal_env(home))
+    assert line.startswith(f"mergeflow: error: {reason}: {parent} (the parent of --target_dir)"), line
+    assert not (home / "mergeflow-server.json").exists() and not home.exists()
+    with pytest.raises(E.FileAccessError, match=reason):  # the pre-flight itself, as the CLI runs it
+        preflight_merge(ex.config(parent / "out"))
+    with pytest.raises(E.TargetExistsError):  # an existing target keeps its own refusal
+        preflight_merge(ex.config(parent))
+
+
+def test_an_unusable_prefect_home_is_named_before_any_work(ex: Export, tmp_path: Path,
+                                                            read_only_dir: tuple[Path, str]) -> None:
+    """PREFECT_HOME read-only, a file, or under a file: one line naming PREFECT_HOME, never the target."""
+    ro, reason = read_only_dir
+    (tmp_path / "a-file").write_text("")
+    fix = "set PREFECT_HOME to a writable directory"
+    cases = {
+        ro: f"PREFECT_HOME {ro} is unusable: {reason}; {fix}",
+        ro / "prefect": f"PREFECT_HOME {ro / 'prefect'} is unusable: {reason} (it does not exist, and cannot be created in {ro}); {fix}",
+        tmp_path / "a-file": f"PREFECT_HOME {tmp_path / 'a-file'} is not a directory; {fix}",
+        tmp_path / "a-file" / "prefect": f"PREFECT_HOME {tmp_path / 'a-file' / 'prefect'} cannot be created ({tmp_path / 'a-file'} is not a directory); {fix}",
+    }
+    for n, (home, message) in enumerate(cases.items()):
+        line = _one_refusal(merge_args(ex, tmp_path / f"out{n}"), refusal_env(home))
+        assert line.startswith(f"mergeflow: error: {message}"), line
+        assert not (tmp_path / f"out{n}").exists()
+    line = _one_refusal(["server", "start"], refusal_env(tmp_path / "a-file"))
+    assert line.startswith(f"mergeflow: error: PREFECT_HOME {tmp_path / 'a-file'} is not a directory"), line
 
 
 def test_preflight_accepts_a_good_export(ex: Export) -> None:

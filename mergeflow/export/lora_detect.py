@@ -41,10 +41,9 @@ def _refuse_lora_flags(config: ModelMergerConfig) -> None:
     if config.fuse_lora:
         raise UsageError("--fuse-lora needs a LoRA checkpoint, but this one has no LoRA adapters "
                          "(no 'lora_' keys, no lora_train_meta.json); drop --fuse-lora")
-    if config.adapter_config:
-        raise UsageError("--adapter-config is for LoRA checkpoints, but this one has no LoRA adapters")
-    if config.adapter_format != "peft":
-        raise UsageError("--adapter-format is for LoRA checkpoints, but this one has no LoRA adapters")
+    used = config.lora_flags()
+    if used:
+        raise UsageError(f"{used[0]} is for LoRA checkpoints, but this one has no LoRA adapters; drop {used[0]}")
 
 
 def _adapter_config_file(config: ModelMergerConfig, actor: Path) -> tuple[Path | None, str]:

@@ -18,7 +18,7 @@ from mergeflow.architectures.schema import (
     tensor_budget,
 )
 from mergeflow.config import ModelMergerConfig
-from mergeflow.errors import BaseModelError, CheckpointError, MergeflowError
+from mergeflow.errors import BaseModelError, MergeflowError
 from mergeflow.export.checkpoint_source import (
     ModelConfigSource,
     model_config_source,
@@ -33,7 +33,7 @@ from mergeflow.export.lora_detect import (
 )
 from mergeflow.export.preflight import check_output_format, resolve_inputs
 from mergeflow.export.targets import TargetSchema, pipeline_target, transformer_target
-from mergeflow.formats.checkpoint_dir import file_hasher
+from mergeflow.formats.checkpoint_dir import file_hasher, require_local_dir
 from mergeflow.formats.manifest import fingerprint
 from mergeflow.io.confinement import check_export_links
 from mergeflow.io.fs import FileStamp, sha256_file
@@ -68,8 +68,7 @@ def build_plan(config: ModelMergerConfig) -> MergePlan:
     """Decide everything about an export from metadata alone, refusing bad input early."""
     config.validate()
     actor = Path(config.local_dir or "").expanduser().resolve()
-    if not actor.is_dir():
-        raise CheckpointError(f"--local_dir {actor} is not a directory")
+    require_local_dir(actor)
     check_export_links(config.local_dir, config.base_model, config.hf_model_config_path)  # before the first read
     checkpoint = open_checkpoint(actor, trust_checkpoint=config.trust_checkpoint)  # verl's rank 0, or a DCP's .metadata
     # The manifest's source-file digests: hashed on the idle core while the schema is built.

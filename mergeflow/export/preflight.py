@@ -24,7 +24,7 @@ from mergeflow.errors import (
     SchemaMismatchError,
     UsageError,
 )
-from mergeflow.formats.checkpoint_dir import format_of, listed_files
+from mergeflow.formats.checkpoint_dir import format_of, listed_files, require_local_dir
 from mergeflow.formats.dcp_layout import NO_MODEL_CONFIG
 from mergeflow.formats.verl_checkpoint import (
     LORA_META,
@@ -32,6 +32,7 @@ from mergeflow.formats.verl_checkpoint import (
     read_fsdp_config,
 )
 from mergeflow.io.jsonfiles import JsonObject, read_json_strict
+from mergeflow.io.os_errors import check_target_parent
 from mergeflow.io.paths import check_no_overlap, check_target
 
 CHECKPOINT_CONFIG = "huggingface/config.json of the checkpoint"
@@ -43,8 +44,7 @@ def resolve_inputs(config: ModelMergerConfig) -> dict[str, Path]:
     cfg_dir = Path(config.hf_model_config_path or actor / "huggingface").expanduser().resolve()
     base = local_base(config.base_model)
     target = check_target(Path(config.target_dir or ""))
-    if not actor.is_dir():
-        raise CheckpointError(f"--local_dir {actor} is not a directory")
+    require_local_dir(actor)
     check_no_overlap({"--local_dir": actor, "--base_model": base, "--target_dir": target})
     check_no_overlap({"--hf_model_config_path": cfg_dir, "--target_dir": target})
     check_no_overlap({"--hf_model_config_path": cfg_dir, "--base_model": base})
@@ -87,8 +87,8 @@ def preflight_merge(config: ModelMergerConfig) -> list[Path]:
     """
     config.validate()
     actor = Path(config.local_dir or "").expanduser().resolve()
-    if not actor.is_dir():
-        raise CheckpointError(f"--local_dir {actor} is not a directory")
+    require_local_dir(actor)
+    check_target_parent(Path(config.target_dir or ""))  # else the flow's first write says it, after a server start
     from mergeflow.io.confinement import check_export_links  # links out of the inputs: refused before any read
 
     check_export_links(config.local_dir, config.base_model, config.hf_model_config_path)
@@ -121,8 +121,7 @@ def _check_lora_flags(config: ModelMergerConfig, has_meta: bool) -> None:
         return
     # Without lora_train_meta.json the flow refuses LoRA flags: either the checkpoint has no
     # adapters, or it has some whose r and lora_alpha are unknown.
-    used = [flag for flag, on in (("--fuse-lora", config.fuse_lora), ("--adapter-config", bool(config.adapter_config)),
-                                  ("--adapter-format", config.adapter_format != "peft")) if on]
+    used = config.lora_flags()
     if used:
         raise UsageError(f"{used[0]} is for LoRA checkpoints, but this one has no {LORA_META} (a LoRA run's "
                          f"actor directory holds it); drop {used[0]} or copy {LORA_META} from the training run")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+from pathlib import Path
 
 from mergeflow.errors import (
     DiskFullError,
@@ -36,6 +37,12 @@ def typed_os_error(exc: OSError, doing: str = "") -> MergeflowError | None:
     if exc.errno in DISK_FULL:
         return DiskFullError(f"no space left{what} ({reason}: {where}); free space (or raise the quota or file size "
                              "limit) on that filesystem and rerun the same command to resume")
+    if exc.errno in _DENIED or exc.errno == errno.EROFS:
+        kind = "read-only filesystem" if exc.errno == errno.EROFS else "permission denied"
+        home = _under_prefect_home(exc)
+        if home is not None:  # Prefect's own files: the target is not to blame
+            return FileAccessError(f"{kind}{what}: {where} is in PREFECT_HOME ({home}); "
+                                   "set PREFECT_HOME to a writable directory")
     if exc.errno in _DENIED:
         return FileAccessError(f"permission denied{what}: {where}; fix its permissions or choose another path")
     if exc.errno == errno.EROFS:
@@ -45,3 +52,58 @@ def typed_os_error(exc: OSError, doing: str = "") -> MergeflowError | None:
     if exc.errno in (errno.EIO, errno.ENXIO, errno.ESTALE):
         return StorageIOError(f"{reason}{what} ({where}): the disk or network filesystem failed; rerun once it is healthy")
     return None
+
+
+def _under_prefect_home(exc: OSError) -> Path | None:
+    """PREFECT_HOME (as Prefect resolves it) when the failing path lies in it, else None."""
+    home = Path(os.environ.get("PREFECT_HOME") or "~/.prefect").expanduser().absolute()
+    names = [Path(os.fsdecode(n)).expanduser().absolute() for n in (exc.filename, exc.filename2)
+             if isinstance(n, (str, bytes, os.PathLike))]
+    return home if any(n == home or home in n.parents for n in names) else None
+
+
+def unwritable_dir_reason(directory: Path) -> str | None:
+    """Why files cannot be created in `directory` ("read-only filesystem", "permission denied"); None if they can.
+
+    Asked before any work, so a refusal costs a `statvfs` instead of a run that fails at its first
+    write. The mount flag is read separately because root ignores mode bits but not a read-only mount.
+    """
+    try:
+        if os.statvfs(directory).f_flag & os.ST_RDONLY:
+            return "read-only filesystem"
+    except OSError:
+        return None  # cannot tell (it vanished, or an exotic filesystem): the first write will say
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return "permission denied"
+    return None
+
+
+def check_target_parent(target: Path) -> None:
+    """Refuse a --target_dir whose parent exists but cannot take new files (the flow's staging would fail)."""
+    target = Path(target).expanduser()
+    parent = target.parent.resolve()
+    # An existing target or a missing parent: check_target's own refusal says it better.
+    reason = unwritable_dir_reason(parent) if parent.is_dir() and not (parent / target.name).exists() else None
+    if reason == "read-only filesystem":
+        raise FileAccessError(f"read-only filesystem: {parent} (the parent of --target_dir); "
+                              "choose a target on a writable filesystem")
+    if reason:
+        raise FileAccessError(f"permission denied: {parent} (the parent of --target_dir) is not writable; "
+                              "fix its permissions or choose another --target_dir")
+
+
+def check_prefect_home(home: Path) -> None:
+    """Refuse a PREFECT_HOME Prefect cannot use (its database, settings and the local server's state live there).
+
+    Named as PREFECT_HOME, so that a read-only or misplaced one is never mistaken for a bad target.
+    """
+    fix = "set PREFECT_HOME to a writable directory (or unset it to use ~/.prefect)"
+    if home.exists() and not home.is_dir():
+        raise FileAccessError(f"PREFECT_HOME {home} is not a directory; {fix}")
+    existing = next((p for p in (home, *home.parents) if p.exists()), None)
+    if existing is None or not existing.is_dir():
+        raise FileAccessError(f"PREFECT_HOME {home} cannot be created ({existing} is not a directory); {fix}")
+    reason = unwritable_dir_reason(existing)
+    if reason:
+        where = "" if existing == home else f" (it does not exist, and cannot be created in {existing})"
+        raise FileAccessError(f"PREFECT_HOME {home} is unusable: {reason}{where}; {fix}")
