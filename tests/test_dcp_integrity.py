@@ -6,6 +6,11 @@ damage below, on copies of the real gloo-written DCPs, is refused in one line na
 record, and an export of such a checkpoint publishes nothing. Also here: the DCP inputs that used to get a
 misleading answer (an extra `.distcp`, a FIFO `.metadata`, a Parameter chunk), a full disk's message
 naming its file, and a CLI merge whose stderr carries no diffusers log line.
+
+Corrupt-DCP cases (the reliability count): 13 kinds of damage (a bit flip, a zeroed 4 KB block, a flip in
+every chunk, four in a record's header area, two read-block sizes, a trusted `.metadata`, the background
+pass's verdict, a whole export, the CLI) and 3 defective layouts (an extra `.distcp`, a FIFO `.metadata`,
+a FIFO `.distcp`): each refused in one line, nothing published.
 """
 
 from __future__ import annotations
@@ -39,10 +44,6 @@ from tests.fixtures.dcp_writers import DcpCheckpoint
 from tests.test_dcp import _shared_dcp
 
 VICTIM = "__1_0.distcp"
-# The corrupt-DCP cases of this file, for the README's reliability count (each refused, nothing published).
-CORRUPT_CASES = ("bit_flip", "zeroed_4k_block", "flip_in_every_chunk", "local_header", "pickle_record",
-                 "zip_directory", "central_crc", "straddling_37", "straddling_4099", "trusted_metadata",
-                 "export_refused", "cli_refused", "extra_distcp", "fifo_metadata", "fifo_distcp")
 
 
 @pytest.fixture(scope="module")
