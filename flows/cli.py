@@ -237,7 +237,7 @@ def cmd_merge(args: argparse.Namespace) -> JsonObject:
     files = preflight_merge(config)  # refusals that need no tensor data answer before any server or Prefect import
     # The manifest's source-file digests: hashed from now on, on the core the imports leave idle.
     if files:
-        DigestPrefetch.start(files, hasher=file_hasher(format_of(files[0].parent)))
+        DigestPrefetch.start(files, hasher=file_hasher(format_of(files[0].parent), config.trust_checkpoint))
     with _running_flows():
         from mergeflow.flows.api import merge_model
         from mergeflow.flows.progress import stderr_progress

@@ -48,4 +48,4 @@ def load_rank_shards(plan: MergePlan, rank: int) -> RankIndex:
 def hash_rank(plan: MergePlan, rank: int) -> str:
     """sha256 of one rank file for the manifest; runs beside the shard writers, not before them."""
     actor_dir, name = Path(plan.checkpoint.actor_dir), plan.checkpoint.rank_files[rank]
-    return hash_rank_file(actor_dir, name, plan.input_stamps.get(str(actor_dir / name)), file_hasher(plan.checkpoint.format))
+    return hash_rank_file(actor_dir, name, plan.input_stamps.get(str(actor_dir / name)), file_hasher(plan.checkpoint.format, plan.options.trust_checkpoint))

@@ -150,6 +150,34 @@ class _Meter:
                 raise _OverBudget
 
 
+_quiet_lock = threading.Lock()
+_quiet_builds = 0  # meta builds running (threads of one process); the first saves diffusers' level, the last restores it
+_saved_verbosity = 0
+
+
+@contextmanager
+def _quiet_diffusers() -> Iterator[None]:
+    """Diffusers' own log lines (not Python warnings) held to errors while a config builds its class: "The config
+    attributes {...} were passed to X, but are not expected and will be ignored" would reach the user's terminal
+    mid-export for a key the class does not take, which the schema comparison judges. mergeflow's own messages
+    do not go through diffusers' logger."""
+    from diffusers.utils import logging as diffusers_logging
+
+    global _quiet_builds, _saved_verbosity
+    with _quiet_lock:
+        if _quiet_builds == 0:
+            _saved_verbosity = diffusers_logging.get_verbosity()
+            diffusers_logging.set_verbosity_error()
+        _quiet_builds += 1
+    try:
+        yield
+    finally:
+        with _quiet_lock:
+            _quiet_builds -= 1
+            if _quiet_builds == 0:
+                diffusers_logging.set_verbosity(_saved_verbosity)
+
+
 def meta_model(cls: type, config: JsonObject, budget: TensorBudget | None = None) -> torch.nn.Module:
     """Instantiate `cls` from `config` on the meta device: shapes without memory, work held to `budget`."""
     from torch.nn.modules import module as nn_module
@@ -160,7 +188,7 @@ def meta_model(cls: type, config: JsonObject, budget: TensorBudget | None = None
              nn_module.register_module_buffer_registration_hook(meter.tensor),
              nn_module.register_module_module_registration_hook(meter.module)]
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _quiet_diffusers():
             warnings.simplefilter("ignore")
             with torch.device("meta"):
                 try:

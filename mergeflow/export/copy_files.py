@@ -20,7 +20,7 @@ from mergeflow.io.faults import durable_write_point
 from mergeflow.io.fs import FileStamp, is_plain_file, sha256_file
 from mergeflow.io.interrupt import raise_if_stopped
 from mergeflow.io.jsonfiles import write_bytes_durable
-from mergeflow.io.os_errors import typed_os_error
+from mergeflow.io.os_errors import name_written_file, typed_os_error
 from mergeflow.records import CopyResult, FileRecord, MergePlan
 
 
@@ -59,6 +59,9 @@ def _copy_bytes(src: Path, dst: Path, tmp: Path) -> None:
                     raise InputChangedError(f"base file {src.name} shrank during the export")
                 offset += sent
             os.fsync(fd_out)
+        except OSError as exc:
+            name_written_file(exc, dst)
+            raise
         finally:
             os.close(fd_out)
     finally:

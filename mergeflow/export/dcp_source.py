@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from mergeflow.errors import InputChangedError, SchemaMismatchError
+from mergeflow.errors import SchemaMismatchError
 from mergeflow.export.reconstruct import (
     check_coverage,
     global_pieces,
@@ -23,7 +23,8 @@ from mergeflow.formats.dcp import (
     DcpCheckpoint,
     DcpChunks,
     DcpTensor,
-    open_dcp,
+    forget_parsed,
+    parsed_dcp,
 )
 from mergeflow.io.fs import FileStamp
 from mergeflow.io.stamped_cache import StampedCache
@@ -43,27 +44,22 @@ def dcp_layouts(checkpoint: DcpCheckpoint) -> dict[str, TensorLayout]:
 
 class DcpSources:
     """Parsed DCP checkpoints shared by the tasks of one process, keyed by the `.metadata` stamp:
-    `.metadata` is parsed once per export instead of once per shard task."""
+    `.metadata` is parsed once per export (formats.dcp.parsed_dcp, shared with the hash pass that
+    CRC-checks the `.distcp` records) instead of once per shard task."""
 
     _cache: StampedCache[DcpChunks] = StampedCache(capacity=8)
 
     @classmethod
     def chunks(cls, directory: Path, *, trust_checkpoint: bool = False) -> DcpChunks:
         stamp = FileStamp.of(directory / METADATA)
-
-        def load() -> DcpChunks:
-            chunks = DcpChunks(open_dcp(directory, trust_checkpoint=trust_checkpoint))
-            if FileStamp.of(directory / METADATA) != stamp:
-                raise InputChangedError(f"{METADATA} in {directory.name}/ changed while it was read; "
-                                        "wait until the save has finished")
-            return chunks
-
-        return cls._cache.get_or_load((str(directory), stamp, trust_checkpoint), load)
+        return cls._cache.get_or_load((str(directory), stamp, trust_checkpoint),
+                                      lambda: DcpChunks(parsed_dcp(directory, trust_checkpoint=trust_checkpoint)))
 
     @classmethod
     def forget(cls, directory: Path) -> None:
         """Drop a checkpoint's parsed metadata once its export is over (a long-running `serve`)."""
         cls._cache.forget(lambda path: path == str(directory))
+        forget_parsed(directory)
 
 
 def check_keys(checkpoint: DcpCheckpoint, expected: dict[str, tuple[int, ...]]) -> None:

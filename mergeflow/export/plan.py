@@ -72,7 +72,7 @@ def build_plan(config: ModelMergerConfig) -> MergePlan:
     check_export_links(config.local_dir, config.base_model, config.hf_model_config_path)  # before the first read
     checkpoint = open_checkpoint(actor, trust_checkpoint=config.trust_checkpoint)  # verl's rank 0, or a DCP's .metadata
     # The manifest's source-file digests: hashed on the idle core while the schema is built.
-    DigestPrefetch.start([actor / name for name in checkpoint.files], hasher=file_hasher(checkpoint.format))
+    DigestPrefetch.start([actor / name for name in checkpoint.files], hasher=file_hasher(checkpoint.format, config.trust_checkpoint))
     lora = detect_lora(config, checkpoint)  # None without LoRA; LoRA faults are refused here, before any output
     adapter_only = lora is not None and lora.adapter_only
     # A LoRA-only adapter needs no local base: its base may be a Hub name.

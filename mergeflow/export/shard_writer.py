@@ -38,7 +38,7 @@ from mergeflow.io.faults import durable_write_point
 from mergeflow.io.fs import FileStamp, sha256_file
 from mergeflow.io.interrupt import raise_if_stopped
 from mergeflow.io.jsonfiles import write_bytes_durable, write_json_durable
-from mergeflow.io.os_errors import typed_os_error
+from mergeflow.io.os_errors import name_written_file, typed_os_error
 from mergeflow.io.staging import file_stamp
 from mergeflow.io.streamio import BackgroundFlush, HashingWriter
 from mergeflow.records import OutputPlan, ShardPlan, ShardRecord, TensorWrite
@@ -98,6 +98,7 @@ def write_shard_file(shard: ShardPlan, states: PieceSource, artifact_dir: Path, 
     try:
         return _write_shard_file(shard, states, artifact_dir, work_dir)
     except OSError as exc:
+        name_written_file(exc, work_dir / f"{shard.file_name}.partial")  # os.write / fsync name no file
         typed = typed_os_error(exc, f"writing {shard.file_name}")
         if typed is None:
             raise

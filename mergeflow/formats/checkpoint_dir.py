@@ -15,7 +15,6 @@ from mergeflow.errors import CheckpointError
 from mergeflow.formats.dcp_layout import dcp_files, is_dcp_dir
 from mergeflow.formats.verl_checkpoint import rank_file_names, read_fsdp_config, step_of
 from mergeflow.formats.zip_records import sha256_and_check_records
-from mergeflow.io.fs import sha256_file
 
 # "verl": fsdp_config.json + one model_world_size_W_rank_R.pt per rank; "dcp": a torch DCP.
 CheckpointFormat = Literal["verl", "dcp"]
@@ -70,7 +69,13 @@ def listed_files(directory: Path) -> list[Path]:
     return [directory / name for name in rank_file_names(directory, fsdp.world_size)]
 
 
-def file_hasher(fmt: CheckpointFormat) -> Callable[[Path], str]:
-    """How a checkpoint file is hashed: a verl rank file is one zip whose records' CRC-32s are checked in
-    the same pass; a `.distcp` is many `torch.save` records back to back, each checked when its chunk is read."""
-    return sha256_and_check_records if fmt == "verl" else sha256_file
+def file_hasher(fmt: CheckpointFormat, trust_checkpoint: bool = False) -> Callable[[Path], str]:
+    """How a checkpoint file is hashed, every record's CRC-32 checked in the same pass: a verl rank file is
+    one zip; a `.distcp` is many `torch.save` zips back to back, found from `.metadata` (parsed as the export
+    parses it, hence the trust flag)."""
+    if fmt == "verl":
+        return sha256_and_check_records
+    # Imported here (torch), in the caller's thread: never first from the background hashing thread.
+    from mergeflow.formats import dcp
+
+    return dcp.sha256_and_check_distcp_trusted if trust_checkpoint else dcp.sha256_and_check_distcp

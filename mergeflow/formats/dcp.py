@@ -15,18 +15,17 @@ reconstruct's one path (verified_chunks -> global_pieces -> verify_round_trip) a
 
 from __future__ import annotations
 
-import hashlib
-import io
 import os
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
 from mergeflow.errors import (
     CheckpointError,
+    InputChangedError,
     ShardLayoutError,
     UnsafeCheckpointError,
 )
@@ -36,14 +35,17 @@ from mergeflow.formats.dcp_layout import (
     SUFFIX,
     dcp_files,
     not_a_dcp_dir,
+    regular_file,
 )
+from mergeflow.formats.zip_records import ByteRange, StoredRecord, embedded_records, sha256_and_check
+from mergeflow.io.fs import HASH_BLOCK, FileStamp, sha256_file
+from mergeflow.io.stamped_cache import StampedCache
 
 # Module names that wrappers put in front of the Diffusers model's own state-dict names:
 # accelerate saves {"model": state_dict} (DCP flattens it to "model."), PEFT adds "base_model.model.",
 # DDP "module.", FSDP1 "_fsdp_wrapped_module." anywhere, torch.compile "_orig_mod.".
 _LEADING = ("model.", "base_model.model.", "module.", "_orig_mod.")
 _ANYWHERE = ("_fsdp_wrapped_module.", "_orig_mod.")
-_HASH_BLOCK = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -81,13 +83,18 @@ class DcpCheckpoint:
     tensors: dict[str, DcpTensor]
     files: tuple[str, ...]  # .metadata and every .distcp, sorted
 
+    def records(self, file: str) -> list[tuple[ChunkSource, str]]:
+        """The `torch.save` records of one `.distcp` in file order, each with its tensor's key."""
+        found = [(c, t.key) for t in self.tensors.values() for c in t.chunks if c.file == file]
+        return sorted(found, key=lambda item: item[0].offset)
+
 
 def read_metadata(directory: Path, *, trust_checkpoint: bool = False) -> Any:
     """`.metadata` loaded with the closed unpickler; full unpickling only with --trust-checkpoint."""
     problem = not_a_dcp_dir(directory)
-    if problem or not (directory / METADATA).is_file():
+    if problem or not (directory / METADATA).exists():
         raise CheckpointError(problem or f"{directory.name}/ has no {METADATA}: it is not a torch Distributed Checkpoint")
-    data = (directory / METADATA).read_bytes()
+    data = regular_file(directory / METADATA).read_bytes()
     try:
         return dcp_pickle.load_metadata(data)
     except dcp_pickle.NotSafeMetadata as exc:
@@ -135,7 +142,15 @@ def _parse(directory: Path, metadata: Any) -> DcpCheckpoint:
     if not isinstance(entries, dict) or not isinstance(storage, dict):
         raise CheckpointError(f"{METADATA} in {directory.name}/ has no tensor table; it is not a DCP model checkpoint")
     places = {(index.fqn, tuple(int(n) for n in index.offset)): info for index, info in storage.items()}
-    sizes = _file_sizes(directory, {info.relative_path for info in storage.values()})
+    named = {info.relative_path for info in storage.values()}
+    sizes = _file_sizes(directory, named)
+    # A .distcp that .metadata does not name is another save's (torch overwrites __R_0.distcp but never removes
+    # the files of a save with more ranks): refused like verl's stale rank files, not hashed into the manifest.
+    unexpected = sorted(set(dcp_files(directory)[1:]) - named)
+    if unexpected:
+        raise CheckpointError(f"unexpected DCP file(s) {', '.join(unexpected[:3])}{' ...' if len(unexpected) > 3 else ''} "
+                              f"in {directory.name}/ that its {METADATA} does not name (stale files from another save?); "
+                              "remove them or copy the checkpoint again")
     tensors: dict[str, DcpTensor] = {}
     for key in sorted(entries):
         tensor = _tensor(key, entries[key], places, sizes, directory.name)
@@ -152,10 +167,10 @@ def _file_sizes(directory: Path, names: set[str]) -> dict[str, int]:
         if not isinstance(name, str) or "/" in name or "\\" in name or name in ("", ".", "..") or not name.endswith(SUFFIX):
             raise CheckpointError(f"{METADATA} in {directory.name}/ names an unsafe data file {name!r}")
         path = directory / name
-        if path.is_symlink() or not path.is_file():
+        if path.is_symlink() or not path.exists():
             raise CheckpointError(f"{METADATA} in {directory.name}/ names {name}, which is missing; "
                                   "the checkpoint is incomplete: copy the whole directory again")
-        sizes[name] = path.stat().st_size
+        sizes[name] = regular_file(path).stat().st_size
     return sizes
 
 
@@ -218,60 +233,92 @@ class DcpChunks:
         try:
             with open(path, "rb") as handle:
                 # torch reads the record from its byte range itself: no Python copy of the chunk first
-                tensor = torch.load(_ByteRange(handle, source.offset, source.length), map_location="cpu", weights_only=True)
+                tensor = torch.load(ByteRange(handle, source.offset, source.length), map_location="cpu", weights_only=True)
         except Exception as exc:  # damage, or a payload the safe loader refuses
             raise CheckpointError(f"{source.file}: the bytes of {key} at {source.offset:,} are damaged or not a tensor "
                                   f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "
                                   "copy the checkpoint again") from None
-        if type(tensor) is not torch.Tensor or tuple(tensor.shape) != source.sizes:
-            raise CheckpointError(f"{source.file}: {key} chunk at {list(source.offsets)} holds "
-                                  f"{getattr(tensor, 'shape', type(tensor).__name__)}, {METADATA} says {list(source.sizes)}")
+        if type(tensor) is torch.nn.Parameter:
+            # dcp.save of a state dict holding Parameters (named_parameters(), state_dict(keep_vars=True))
+            # torch.saves each chunk as a Parameter: the same bytes, which the safe loader rebuilds as one.
+            tensor = tensor.detach()
+        if type(tensor) is not torch.Tensor:
+            raise CheckpointError(f"{source.file}: the record of {key} at {source.offset:,} holds a "
+                                  f"{type(tensor).__module__}.{type(tensor).__qualname__}, not a tensor; "
+                                  "only plain tensors (or Parameters) can be exported")
+        if tuple(tensor.shape) != source.sizes:
+            raise CheckpointError(f"{source.file}: {key} chunk at {list(source.offsets)} holds {list(tensor.shape)}, "
+                                  f"{METADATA} says {list(source.sizes)}")
         return tensor.contiguous()
 
 
-class _ByteRange(io.RawIOBase):
-    """A read-only file over bytes [start, start + length) of an open file: one `torch.save` record of a
-    `.distcp`, which torch's zip reader opens as if it were the whole file (and cannot read past)."""
+# --- the parsed `.metadata`, once per process, and the hash pass that CRC-checks every record ---------------
 
-    def __init__(self, handle: io.BufferedReader, start: int, length: int) -> None:
-        super().__init__()
-        self._handle, self._start, self._length, self._position = handle, start, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._position
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._length}[whence]
-        self._position = min(max(0, base + offset), self._length)
-        return self._position
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        wanted = min(len(view), self._length - self._position)
-        if wanted <= 0:
-            return 0
-        self._handle.seek(self._start + self._position)
-        got = self._handle.readinto(view[:wanted]) or 0
-        self._position += got
-        return got
+_PARSED: StampedCache[DcpCheckpoint] = StampedCache(capacity=8)
 
 
-def source_files(checkpoint: DcpCheckpoint) -> dict[str, str]:
-    """sha256 of `.metadata` and every `.distcp`, for the manifest's source_files."""
-    digests = {}
-    for name in checkpoint.files:
-        sha = hashlib.sha256()
-        with open(checkpoint.directory / name, "rb") as handle:
-            while block := handle.read(_HASH_BLOCK):
-                sha.update(block)
-        digests[name] = sha.hexdigest()
-    return digests
+def parsed_dcp(directory: Path, *, trust_checkpoint: bool = False) -> DcpCheckpoint:
+    """`open_dcp`, parsed once per `.metadata` stamp in this process: the shard tasks and the hash pass share it."""
+    stamp = FileStamp.of(directory / METADATA)
+
+    def load() -> DcpCheckpoint:
+        checkpoint = open_dcp(directory, trust_checkpoint=trust_checkpoint)
+        if FileStamp.of(directory / METADATA) != stamp:
+            raise InputChangedError(f"{METADATA} in {directory.name}/ changed while it was read; "
+                                    "wait until the save has finished")
+        return checkpoint
+
+    return _PARSED.get_or_load((str(directory), stamp, trust_checkpoint), load)
+
+
+def forget_parsed(directory: Path) -> None:
+    """Drop a checkpoint's parsed metadata once its export is over (a long-running `serve`)."""
+    _PARSED.forget(lambda path: path == str(directory))
+
+
+def _check_records(path: Path, trust_checkpoint: bool, block: int = HASH_BLOCK) -> str:
+    """sha256 of one DCP file; for a `.distcp`, every record of every chunk's `torch.save` archive is checked
+    against its CRC-32 in the same sequential read (torch's loader checks none: a flipped bit loads silently).
+
+    `.metadata` is a plain pickle without CRCs: hashed only (its damage fails the parse or the chunk ranges).
+    """
+    if path.name == METADATA:
+        return sha256_file(regular_file(path), block)
+    checkpoint = parsed_dcp(path.parent, trust_checkpoint=trust_checkpoint)
+    if path.name not in checkpoint.files:  # the parse refuses files .metadata does not name: not expected here
+        raise CheckpointError(f"{path.name} in {path.parent.name}/ is not named by its {METADATA}; remove it")
+
+    def records_of(handle: BinaryIO) -> list[StoredRecord]:
+        # Each archive's central directory: a few small reads at the end of its range, before the pass.
+        records: list[StoredRecord] = []
+        for chunk, key in checkpoint.records(path.name):
+            label = f"{key} (chunk at {list(chunk.offsets)})"
+            found = embedded_records(handle, chunk.offset, chunk.length, label)
+            if not found:
+                raise CheckpointError(f"DCP file {path.name} is damaged: the record of {label} at bytes {chunk.offset:,}-"
+                                      f"{chunk.offset + chunk.length:,} is not a readable torch.save archive (its zip "
+                                      "directory is damaged); copy it again from the training run")
+            records.extend(found)
+        return records
+
+    return sha256_and_check(path, records_of, f"DCP file {path.name}", block)
+
+
+# Two functions, not one with a flag: the digest prefetch hands a verdict only to the same hasher
+# (mergeflow.io.prefetch), and what parsed only with --trust-checkpoint must not serve a run without it.
+def sha256_and_check_distcp(path: Path) -> str:
+    """The manifest's sha256 of a DCP file, every `.distcp` record CRC-checked on the way (closed `.metadata` reader)."""
+    return _check_records(path, trust_checkpoint=False)
+
+
+def sha256_and_check_distcp_trusted(path: Path) -> str:
+    """As `sha256_and_check_distcp`, for an export run with --trust-checkpoint (`.metadata` fully unpickled)."""
+    return _check_records(path, trust_checkpoint=True)
+
+
+def source_files(checkpoint: DcpCheckpoint, *, trust_checkpoint: bool = False) -> dict[str, str]:
+    """sha256 of `.metadata` and every `.distcp` (records CRC-checked), for the manifest's source_files."""
+    return {name: _check_records(checkpoint.directory / name, trust_checkpoint) for name in checkpoint.files}
 
 
 def file_size(checkpoint: DcpCheckpoint, name: str) -> int:

@@ -7,7 +7,10 @@ save that did not finish.
 
 from __future__ import annotations
 
+import stat
 from pathlib import Path
+
+from mergeflow.errors import CheckpointError
 
 METADATA = ".metadata"
 SUFFIX = ".distcp"
@@ -17,8 +20,8 @@ NO_MODEL_CONFIG = ("a DCP checkpoint carries no model config: pass a local --bas
 
 
 def is_dcp_dir(path: Path) -> bool:
-    """A finished DCP: `.metadata` beside at least one `*.distcp`."""
-    return (path / METADATA).is_file() and any(path.glob(f"*{SUFFIX}"))
+    """A finished DCP: `.metadata` beside at least one `*.distcp` (whatever kind of file: reading it says what is wrong)."""
+    return (path / METADATA).exists() and any(path.glob(f"*{SUFFIX}"))
 
 
 def not_a_dcp_dir(path: Path) -> str | None:
@@ -38,5 +41,16 @@ def not_a_dcp_dir(path: Path) -> str | None:
 
 
 def dcp_files(directory: Path) -> tuple[str, ...]:
-    """A DCP's files as the manifest lists them: `.metadata`, then every `.distcp` in name order."""
-    return (METADATA, *sorted(p.name for p in directory.glob(f"*{SUFFIX}")))
+    """A DCP's files as the manifest lists them: `.metadata`, then every `.distcp` in name order; each a regular file."""
+    names = (METADATA, *sorted(p.name for p in directory.glob(f"*{SUFFIX}")))
+    for name in names:
+        regular_file(directory / name)
+    return names
+
+
+def regular_file(path: Path) -> Path:
+    """`path` if it is a regular file (by stat, without opening it: opening a FIFO blocks, a device streams for ever)."""
+    if path.exists() and not stat.S_ISREG(path.stat().st_mode):
+        raise CheckpointError(f"{path.name} in {path.parent.name}/ is not a regular file (a FIFO, socket, device or "
+                              "directory); a DCP checkpoint holds only files: copy the checkpoint again")
+    return path

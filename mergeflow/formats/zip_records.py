@@ -1,6 +1,7 @@
-"""Every record of a rank file checked against its stored CRC-32, in the pass that hashes the file.
+"""Every record of a rank file or a `.distcp` checked against its stored CRC-32, in the pass that hashes the file.
 
-A rank file is a torch.save zip archive of stored (uncompressed) records. torch's reader checks
+A rank file is a torch.save zip archive of stored (uncompressed) records; a `.distcp` is many such
+archives back to back (one per chunk, at the byte ranges `.metadata` gives: mergeflow/formats/dcp.py). torch's reader checks
 no CRC, and the fast reader checks only the pickle's (rank_pickle._check_pickle_crc): a bit flip
 or a zeroed block inside tensor data would export silently. The manifest already needs one full
 sequential pass for the file's sha256; the CRC-32s ride along on the same buffers, so integrity
@@ -10,13 +11,15 @@ costs CPU (zlib.crc32 runs about twice as fast as sha256 here), never a second r
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import struct
 import zipfile
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from mergeflow.errors import CheckpointError
 from mergeflow.io.fs import HASH_BLOCK
@@ -29,8 +32,8 @@ _LOCAL_SIGNATURE = b"PK\x03\x04"
 class StoredRecord:
     """One stored record as the central directory describes it."""
 
-    name: str
-    header_offset: int  # where its local header starts; the data follows that header
+    name: str  # how a refusal names it (a rank file: the entry; a .distcp: the entry and its tensor's chunk)
+    header_offset: int  # where its local header starts in the file; the data follows that header
     size: int  # bytes of data on disk
     crc: int
 
@@ -52,6 +55,48 @@ def stored_records(handle: BinaryIO) -> list[StoredRecord] | None:
                    for i in infos if i.compress_type == zipfile.ZIP_STORED), key=lambda r: r.header_offset)
 
 
+def embedded_records(handle: BinaryIO, start: int, length: int, label: str) -> list[StoredRecord] | None:
+    """The stored records of the archive at bytes [start, start + length) of a file (one `torch.save` record
+    of a `.distcp`), with file offsets and named "ENTRY of LABEL"; None if that range is not a zip archive."""
+    records = stored_records(ByteRange(handle, start, length))  # type: ignore[arg-type]
+    if records is None:
+        return None
+    return [StoredRecord(f"{r.name} of {label}", start + r.header_offset, r.size, r.crc) for r in records]
+
+
+class ByteRange(io.RawIOBase):
+    """A read-only file over bytes [start, start + length) of an open file: one `torch.save` record of a
+    `.distcp`, which torch's and zipfile's zip readers open as if it were the whole file (and cannot read past)."""
+
+    def __init__(self, handle: BinaryIO, start: int, length: int) -> None:
+        super().__init__()
+        self._handle, self._start, self._length, self._position = handle, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._length}[whence]
+        self._position = min(max(0, base + offset), self._length)
+        return self._position
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        wanted = min(len(view), self._length - self._position)
+        if wanted <= 0:
+            return 0
+        self._handle.seek(self._start + self._position)
+        got = self._handle.readinto(view[:wanted]) or 0  # type: ignore[attr-defined]
+        self._position += got
+        return got
+
+
 class _RecordChecker:
     """Follows the stream block by block: each record's local header, then a running CRC over its data.
 
@@ -60,8 +105,8 @@ class _RecordChecker:
     and its header may straddle any number of blocks.
     """
 
-    def __init__(self, file_name: str, records: list[StoredRecord]) -> None:
-        self._file_name = file_name
+    def __init__(self, subject: str, records: list[StoredRecord]) -> None:
+        self._subject = subject  # how refusals name the file: "rank file NAME", "DCP file NAME"
         self._records = records
         self._next = 0  # index of the record being followed
         self._header = bytearray()  # its local header's bytes, gathered so far
@@ -108,7 +153,7 @@ class _RecordChecker:
             raise self._damaged(self._records[self._next], "runs past the end of the file")
 
     def _damaged(self, record: StoredRecord, what: str) -> CheckpointError:
-        return CheckpointError(f"rank file {self._file_name} is damaged: record {record.name} {what}; "
+        return CheckpointError(f"{self._subject} is damaged: record {record.name} {what}; "
                                "copy it again from the training run")
 
 
@@ -118,11 +163,18 @@ def sha256_and_check_records(path: Path, block: int = HASH_BLOCK) -> str:
     Raises CheckpointError naming the file and the first damaged record. A file that is not a zip
     archive is only hashed: the loader refuses it with its own message.
     """
+    return sha256_and_check(path, lambda handle: stored_records(handle) or [], f"rank file {path.name}", block)
+
+
+def sha256_and_check(path: Path, records_of: Callable[[BinaryIO], list[StoredRecord]], subject: str,
+                     block: int = HASH_BLOCK) -> str:
+    """sha256 of a file, and every record `records_of(handle)` lists (in file order) checked against its CRC-32
+    in the same sequential read; CheckpointError naming `subject` and the first damaged record."""
     digest = hashlib.sha256()
-    # One descriptor for the central directory and the pass: both read the same file (inode).
+    # One descriptor for the central directories and the pass: both read the same file (inode).
     with open(path, "rb", buffering=0) as handle:
-        records = stored_records(handle)
-        checker = _RecordChecker(path.name, records) if records else None
+        records = records_of(handle)
+        checker = _RecordChecker(subject, records) if records else None
         handle.seek(0)
         os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)  # larger read-ahead when not cached
         # Serial, not a second thread for the CRCs: on 2 busy cores (bench/rank_crc_cost.py) a CRC

@@ -10,6 +10,7 @@ from typing import Any
 
 from mergeflow.errors import MergeflowError
 from mergeflow.io.faults import durable_write_point
+from mergeflow.io.os_errors import name_written_file
 
 # A JSON object as read from or written to a file (a config, an index, a manifest, an event
 # payload, a command's JSON result). Its schema is its file format's, checked where it is read;
@@ -94,10 +95,14 @@ def write_bytes_durable(path: Path, data: bytes, tmp: Path | None = None) -> Non
     half-written file out of the directory being built.
     """
     tmp = tmp or partial_name(path)
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as exc:
+        name_written_file(exc, path)
+        raise
     os.chmod(tmp, 0o644)
     durable_write_point(path)
     os.replace(tmp, path)

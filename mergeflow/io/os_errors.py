@@ -28,6 +28,13 @@ def _where(exc: OSError) -> str:
     return " -> ".join(names) if names else "a file"
 
 
+def name_written_file(exc: OSError, path: os.PathLike[str] | str) -> None:
+    """A full disk met by os.write, fsync or sendfile carries no file name: name the file being written,
+    so the message says which filesystem to free (not "a file")."""
+    if exc.errno in DISK_FULL and not exc.filename:
+        exc.filename = os.fspath(path)
+
+
 def typed_os_error(exc: OSError, doing: str = "") -> MergeflowError | None:
     """The mergeflow error for `exc` (None for kinds users do not meet: those are bugs)."""
     if isinstance(exc, MergeflowError):
