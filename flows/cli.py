@@ -9,7 +9,7 @@ import sys
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from mergeflow.config import (
     ADAPTER_FORMATS,
@@ -38,6 +38,9 @@ from mergeflow.flows.ops_cli import (
 )
 from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.io.os_errors import typed_os_error
+
+if TYPE_CHECKING:  # the progress module imports Prefect: only for the annotation
+    from mergeflow.flows.progress import FlowRunLinks
 
 
 class _Parser(argparse.ArgumentParser):
@@ -174,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     _debug(verify)
 
     demo = command("demo", "build a tiny checkpoint, export and validate it")
-    _flag(demo, "--workdir", help="where to build it (default: a new temp dir)")
+    _flag(demo, "--workdir", help="where to build and keep it (default: $XDG_CACHE_HOME/mergeflow/demo, or MERGEFLOW_CACHE_DIR/demo)")
     _debug(demo)
     add_ops_commands(sub)
     add_backfill_command(sub)
@@ -213,7 +216,7 @@ def pre_import_environment(debug: bool) -> dict[str, str]:
 
 
 @contextmanager
-def _running_flows(announce: str | None = None) -> Iterator[None]:
+def _running_flows(announce: str | None = None) -> Iterator[FlowRunLinks]:
     """Around every command that runs a flow: a Prefect API to run against, and each run's UI link.
 
     `announce` (backfill): the command says on stderr which server it uses, as serve and watch do.
@@ -224,8 +227,8 @@ def _running_flows(announce: str | None = None) -> Iterator[None]:
     use_prefect_api(announce)
     from mergeflow.flows.progress import flow_run_links
 
-    with flow_run_links():
-        yield
+    with flow_run_links() as links:
+        yield links
 
 
 def cmd_merge(args: argparse.Namespace) -> JsonObject:
@@ -293,10 +296,10 @@ def cmd_verify_upload(args: argparse.Namespace) -> JsonObject:
 
 
 def cmd_demo(args: argparse.Namespace) -> JsonObject:
-    with _running_flows():
+    with _running_flows() as links:
         from mergeflow.flows.demo import run_demo
 
-        return run_demo(args.workdir)
+        return run_demo(args.workdir, links=links.urls)
 
 
 def cmd_server(args: argparse.Namespace) -> JsonObject:

@@ -23,7 +23,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO
@@ -288,8 +288,8 @@ def _ui_asks_itself(state: ServerState) -> bool:
         return False
 
 
-def start_local_server(home: Path | None = None) -> tuple[ServerState, bool]:
-    """The running background server, started if needed; True when this call started it."""
+def start_local_server(home: Path | None = None, *, before_start: Callable[[], None] | None = None) -> tuple[ServerState, bool]:
+    """The running background server, started if needed (`before_start` called first); True when this call started it."""
     home = home or prefect_home()
     with _server_lock(home):
         state = read_state(home)
@@ -297,6 +297,8 @@ def start_local_server(home: Path | None = None) -> tuple[ServerState, bool]:
             return state, False
         if state is not None and _is_our_server(state):
             _stop_group(state.pid)  # running but not answering: replace it rather than leave it behind
+        if before_start is not None:
+            before_start()
         return _start(home), True
 
 
@@ -345,6 +347,11 @@ def ensure_command_server() -> ServerState | None:
     return state
 
 
+# Measured here (2 cores, fresh PREFECT_HOME, `mergeflow server start`): 12.5-17.7 s quiet, 31 s busy, most of it
+# Prefect creating its SQLite database and importing its server; the README quotes the same.
+FIRST_START_HINT = "about 10-35 s on a small machine"
+
+
 def ensure_local_server(stream: IO[str] = sys.stderr) -> ServerState | None:
     """For a command about to run a flow: point PREFECT_API_URL at the background server.
 
@@ -353,10 +360,16 @@ def ensure_local_server(stream: IO[str] = sys.stderr) -> ServerState | None:
     """
     if not local_server_enabled() or configured_api_url():
         return None
-    state, started = start_local_server()
+    began = time.monotonic()
+
+    def say_starting() -> None:  # the first start is the slowest moment of a first try: say so before it
+        print(f"mergeflow: starting a local Prefect server (once; {FIRST_START_HINT}, later commands reuse it)",
+              file=stream, flush=True)
+
+    state, started = start_local_server(before_start=say_starting)
     if started:
-        print(f"mergeflow: started a local Prefect server at {state.ui_url} (runs stay visible there; "
-              "stop it with 'mergeflow server stop')", file=stream, flush=True)
+        print(f"mergeflow: started a local Prefect server at {state.ui_url} in {time.monotonic() - began:.0f} s "
+              "(runs stay visible there; stop it with 'mergeflow server stop')", file=stream, flush=True)
     os.environ["PREFECT_API_URL"] = state.api_url
     os.environ["PREFECT_UI_URL"] = state.ui_url  # the links name this server's UI, whatever PREFECT_UI_URL said
     return state

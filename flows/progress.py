@@ -377,6 +377,7 @@ class FlowRunLinks(logging.Handler):
         super().__init__(level=logging.DEBUG)
         self.stream = stream  # None: sys.stderr as it is at that moment (above a progress bar while one is shown)
         self.seen: set[str] = set()
+        self.urls: list[str] = []  # in start order: the demo repeats its run's link at the end
         self._lock = threading.Lock()
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -391,6 +392,7 @@ class FlowRunLinks(logging.Handler):
 
         url = url_for("flow-run", obj_id=str(run_id))
         if url:
+            self.urls.append(url)
             name = getattr(record, "flow_run_name", None) or run_id
             stream = self.stream if self.stream is not None else sys.stderr
             stream.write(f"mergeflow: flow run {name}: {url}\n")

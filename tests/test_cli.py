@@ -120,32 +120,33 @@ def test_inspect_describes_the_checkpoint(tmp_path: Path, env: dict[str, str]) -
     assert info["bytes"] == sum(v.numel() * v.element_size() for v in ex.actor.state_dict().values())
 
 
-def test_demo_runs_end_to_end(tmp_path: Path, env: dict[str, str]) -> None:
-    proc = run_cli(["demo", "--workdir", str(tmp_path / "demo")], env)
+def test_demo_leads_somewhere(tmp_path: Path, env: dict[str, str]) -> None:
+    """The demo keeps its work under the cache dir, exports a pipeline, and prints commands that run as printed."""
+    env = {**env, "MERGEFLOW_CACHE_DIR": str(tmp_path / "cache")}
+    proc = run_cli(["demo"], env)
     assert proc.returncode == 0, proc.stderr
     info = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert info["integrity"] == "passed" and Path(info["output_dir"]).is_dir() and info["kept"] is True
-    # It says what it built and the command that does the same, which works as printed.
-    command = next(line for line in proc.stderr.splitlines() if "the same export from the command line: " in line)
-    argv = shlex.split(command.split("the same export from the command line: ", 1)[1])
-    assert argv[:2] == ["mergeflow", "merge"] and argv[argv.index("--target_dir") + 1] == info["output_dir"]
-    again = str(tmp_path / "again")
-    argv[argv.index("--target_dir") + 1] = again
-    proc = run_cli(argv[1:], env)
-    assert proc.returncode == 0, proc.stderr
-    assert tree_digest(Path(again)) == tree_digest(Path(info["output_dir"]))
-
-
-def test_demo_without_a_workdir_leaves_nothing_behind(prefect_api: object, capsys: pytest.CaptureFixture[str]) -> None:
-    import tempfile
-
-    from mergeflow.flows.demo import run_demo
-
-    before = set(Path(tempfile.gettempdir()).glob("mergeflow-demo-*"))
-    info = run_demo(None, world_size=2)
-    assert info["integrity"] == "passed" and info["kept"] is False
-    assert not Path(str(info["demo_dir"])).exists() and set(Path(tempfile.gettempdir()).glob("mergeflow-demo-*")) == before
-    assert "pass --workdir DIR to keep" in capsys.readouterr().err
+    demo_dir = tmp_path / "cache" / "demo"
+    assert info["demo_dir"] == str(demo_dir) and f"working in {demo_dir}" in proc.stderr
+    assert info["integrity"] == "passed" and info["architecture"] == "QwenImagePipeline"
+    output = Path(info["output_dir"])
+    assert output == demo_dir / "exports" / "pipeline-1" and (output / "model_index.json").is_file()
+    # The UI link it repeats is the merge's own run.
+    link = next(line.split(": ", 2)[2] for line in proc.stderr.splitlines() if line.startswith("mergeflow: flow run merge-"))
+    assert f"mergeflow demo: this export in the Prefect UI: {link}" in proc.stderr.splitlines()
+    lines = proc.stderr.splitlines()
+    commands = [shlex.split(line.split("mergeflow demo:   ", 1)[1]) for line in lines if line.startswith("mergeflow demo:   ")]
+    assert [c[:2] for c in commands] == [["mergeflow", "inspect"], ["mergeflow", "merge"], ["mergeflow", "test"]]
+    for argv in commands:  # each runs as printed, and the new target did not exist before
+        run = run_cli(argv[1:], env)
+        assert run.returncode == 0, (argv, run.stderr)
+    assert (demo_dir / "exports" / "transformer-1" / "config.json").is_file()
+    # A second demo reuses the checkpoint, keeps the first export and exports to the next target.
+    second = run_cli(["demo"], env)
+    assert second.returncode == 0, second.stderr
+    assert json.loads(second.stdout.strip().splitlines()[-1])["output_dir"] == str(demo_dir / "exports" / "pipeline-2")
+    assert "building a tiny" not in second.stderr and (output / "merge_manifest.json").is_file()
+    assert "transformer-2" in second.stderr  # its printed merge names a target that does not exist yet
 
 
 def test_every_reference_flag_is_accepted() -> None:
