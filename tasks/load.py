@@ -20,7 +20,7 @@ def _rank_cache_key(context: Any, parameters: Mapping[str, Any]) -> str:
     plan: MergePlan = parameters["plan"]
     path = Path(plan.checkpoint.actor_dir) / plan.checkpoint.rank_files[parameters["rank"]]
     stamp = FileStamp.of(path)
-    raw = f"{path}|{stamp}|{plan.options.trust_checkpoint}|{context.task.name}-v2"
+    raw = f"{path}|{stamp}|{plan.options.trust_checkpoint}|{context.task.name}-v3"  # v3: DCP records CRC-checked in the hash pass
     return "rank-" + hashlib.sha256(raw.encode()).hexdigest()
 
 
