@@ -211,11 +211,14 @@ def stopped_line(snap: Snapshot) -> str | None:
 
 
 def figures(snap: Snapshot) -> str:
-    """The bar's numbers: bytes done of total, percent, recent rate, ETA; k/N; or the time in the phase."""
+    """The bar's numbers: bytes done of total, percent, recent rate, ETA; k/N; or the time in the phase.
+
+    The ETA is left out (blank) until the model has one worth showing (Snapshot.eta).
+    """
     if snap.phase == WRITING and snap.total is not None:
         percent = 100.0 * (snap.fraction or 0.0)
-        return (f"{human_bytes(snap.done)} of {human_bytes(snap.total)}  {percent:3.0f}%  "
-                f"{human_rate(snap.rate)}  ETA {human_duration(snap.eta)}")
+        eta = f"  ETA {human_duration(snap.eta)}" if snap.eta is not None else ""
+        return f"{human_bytes(snap.done)} of {human_bytes(snap.total)}  {percent:3.0f}%  {human_rate(snap.rate)}{eta}"
     if snap.total is not None:
         return f"{snap.done}/{snap.total}"
     return human_duration(snap.elapsed)
@@ -349,9 +352,31 @@ class StderrProgress:
         self._task = self._bar.add_task(label, total=snap.total, completed=snap.done)
 
 
+def telemetry_notice_now() -> None:
+    """Prefect's first-run telemetry notice, if it is due, now: before a progress display, never inside it.
+
+    Prefect prints it when a process imports it on a terminal, at most once per PREFECT_HOME (a marker
+    file there). This process's import skipped it for a home that already had Prefect's files (the
+    local server's), but a process importing Prefect later (a Dask worker, with the same terminal)
+    finds that home already looked at, takes it for a new one and printed the notice in the middle
+    of the progress bar. Shown here it is marked shown, and those processes stay silent.
+    """
+    try:
+        from prefect._internal.analytics import is_telemetry_enabled
+        from prefect._internal.analytics.notice import maybe_show_telemetry_notice
+    except ImportError:  # a Prefect without it: nothing to print
+        return
+    try:
+        if is_telemetry_enabled():  # DO_NOT_TRACK or a CI: never shown (Prefect's own rule at import)
+            maybe_show_telemetry_notice()  # only on a terminal, only once per PREFECT_HOME
+    except Exception:  # noqa: BLE001 - a notice must never stop an export
+        logging.getLogger(__name__).debug("could not settle Prefect's telemetry notice", exc_info=True)
+
+
 @contextmanager
 def stderr_progress(stream: IO[str] | None = None, console: Console | None = None) -> Iterator[StderrProgress]:
     """Show the progress of the merges run in this process while the block runs."""
+    telemetry_notice_now()
     display = StderrProgress(stream, console)
     failed = True
     try:
