@@ -38,12 +38,13 @@ from mergeflow.export.progress import (
     WRITE_PROGRESS,
     WRITING,
     MergeProgress,
+    Reuse,
     Snapshot,
     human_bytes,
     human_duration,
     human_rate,
 )
-from mergeflow.records import OutputPlan, ShardRecord
+from mergeflow.records import CopyResult, OutputPlan, ShardRecord
 
 # --- the flow's side -----------------------------------------------------------------------------
 
@@ -59,6 +60,7 @@ class RunProgress:
     def __init__(self, run_id: UUID | None, tracker: MergeProgress) -> None:
         self.run_id = run_id
         self.tracker = tracker
+        self.reused_shards = 0  # write-shard tasks that found an earlier run's shard intact (Cached)
 
     def begin(self, phase: str, total: int | None = None) -> None:
         self.tracker.begin(phase, total)
@@ -98,7 +100,9 @@ class RunProgress:
                 if future is not None:
                     pending -= 1
                     record = future.result()
-                    self.tracker.shard_done(shard_of[id(future)], resumed=_resumed(future))
+                    resumed = _resumed(future)
+                    self.reused_shards += resumed
+                    self.tracker.shard_done(shard_of[id(future)], resumed=resumed)
                 done = self.tracker.bytes_done
                 if done != reported:
                     report_progress(artifact, done, total)
@@ -114,6 +118,20 @@ class RunProgress:
 
     def wrote(self, shard: int, nbytes: int, attempt: int) -> None:
         self.tracker.wrote(shard, nbytes, attempt)
+
+    def report_reuse(self, shards: int, copied: CopyResult | None) -> Reuse | None:
+        """After the shards and copies: how much a rerun reused of the staging an earlier run kept.
+
+        Said in the run's log (the UI) and on the command line's stderr; nothing when nothing was reused.
+        """
+        from prefect.logging import get_run_logger
+
+        reuse = Reuse(self.reused_shards, shards, len(copied.reused) if copied else 0, len(copied.files) if copied else 0)
+        if not reuse.shards and not reuse.files:
+            return None
+        get_run_logger().info("Resumed the staging an earlier run kept: %s", reuse.words())
+        self.tracker.reused(reuse)
+        return reuse
 
 
 def merge_progress() -> RunProgress:
@@ -287,6 +305,16 @@ class StderrProgress:
             self._current = now
             if self._bar is not None and self._task is not None:
                 self._bar.update(self._task, completed=now.done)
+
+    def reused(self, progress: MergeProgress, reuse: Reuse) -> None:
+        with self._lock:
+            if self._closed or progress is not self._source:
+                return
+            line = f"{PREFIX}resumed the staging an earlier run kept: {reuse.words()}"
+            if self.live and self._bar is not None:
+                self._print(line)  # above the bar
+            else:
+                self._write(line)
 
     # --- the command's side ----------------------------------------------------------------------
 

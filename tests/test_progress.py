@@ -27,6 +27,7 @@ from mergeflow.export.progress import (
     WRITING,
     MergeProgress,
     RateWindow,
+    Reuse,
     Snapshot,
     eta_seconds,
     human_bytes,
@@ -51,12 +52,16 @@ class Recorder:
 
     def __init__(self) -> None:
         self.events: list[tuple[str, Snapshot, Snapshot | None]] = []
+        self.reuses: list[Reuse] = []
 
     def phase_began(self, progress: MergeProgress, now: Snapshot, previous: Snapshot | None) -> None:
         self.events.append(("phase", now, previous))
 
     def advanced(self, progress: MergeProgress, now: Snapshot) -> None:
         self.events.append(("advanced", now, None))
+
+    def reused(self, progress: MergeProgress, reuse: Reuse) -> None:
+        self.reuses.append(reuse)
 
     def phases(self) -> list[str | None]:
         return [snap.phase for kind, snap, _ in self.events if kind == "phase"]
@@ -161,6 +166,27 @@ def test_the_eta_is_blank_until_the_write_has_moved_for_a_while() -> None:
     assert figures(snap).endswith(f"ETA {human_duration(snap.eta)}") and ":" in human_duration(snap.eta)
     clock.advance(60.0)  # a stall: the rate falls to nothing and the ETA is unknown again, never a stale figure
     assert progress.snapshot().rate == 0.0 and progress.snapshot().eta is None
+
+
+def test_a_resumed_run_says_how_many_shards_and_files_it_reused() -> None:
+    seen = Recorder()
+    progress = MergeProgress(seen)
+    reuse = Reuse(shards=3, of_shards=4, files=7, of_files=7)
+    progress.reused(reuse)
+    assert seen.reuses == [reuse]
+    assert reuse.words() == "reused 3 of 4 shards and 7 of 7 files"
+    assert Reuse(1, 1, 0, 0).words() == "reused 1 of 1 shard"  # a transformer output copies no files
+    out = io.StringIO()
+    with stderr_progress(stream=out):
+        fed = MERGE_PROGRESS.start()
+        fed.begin_writing([100, 100], tensors=2)
+        fed.shard_done(0, resumed=True)
+        fed.shard_done(1)
+        fed.reused(Reuse(1, 2, 0, 0))
+        fed.begin(VALIDATING)
+    lines = out.getvalue().splitlines()
+    assert "mergeflow: resumed the staging an earlier run kept: reused 1 of 2 shards" in lines, lines
+    assert any(line.endswith("resumed 100 B an earlier run had written") for line in lines), lines
 
 
 def test_words_for_sizes_and_durations() -> None:

@@ -157,6 +157,25 @@ class Snapshot:
         return max(self.done - self.resumed, 0) / self.elapsed
 
 
+@dataclass(frozen=True)
+class Reuse:
+    """What a rerun took over from the staging an earlier run of the same export kept."""
+
+    shards: int  # output shards whose staged file was intact (not written again)
+    of_shards: int
+    files: int  # base files whose staged copy was right (not copied again)
+    of_files: int
+
+    def words(self) -> str:
+        """`reused 3 of 4 shards and 7 of 7 files` (no files part where the output copies none)."""
+        text = f"reused {self.shards} of {_plural(self.of_shards, 'shard')}"
+        return text + (f" and {self.files} of {_plural(self.of_files, 'file')}" if self.of_files else "")
+
+
+def _plural(n: int, thing: str) -> str:
+    return f"{n} {thing}" if n == 1 else f"{n} {thing}s"
+
+
 class Observer(Protocol):
     """What a display implements; `progress` is the merge the snapshot is of (to read it again while drawing)."""
 
@@ -164,6 +183,9 @@ class Observer(Protocol):
         """`previous`: the phase that just ended, as it stood at its end (None for the first phase)."""
 
     def advanced(self, progress: MergeProgress, now: Snapshot) -> None: ...
+
+    def reused(self, progress: MergeProgress, reuse: Reuse) -> None:
+        """A resumed run's count of what it took over from the kept staging (once, after the writing)."""
 
 
 
@@ -263,6 +285,11 @@ class MergeProgress:
             else:
                 snap = self._changed_locked()
         self._tell(snap)
+
+    def reused(self, reuse: Reuse) -> None:
+        """Tell the observer how much of an earlier run's kept staging this run reused."""
+        if self.observer is not None:
+            self.observer.reused(self, reuse)
 
     # --- anyone's side ---------------------------------------------------------------------------
 
@@ -375,6 +402,10 @@ class ProgressFeed:
     def advanced(self, progress: MergeProgress, now: Snapshot) -> None:
         for observer in self._observers:
             observer.advanced(progress, now)
+
+    def reused(self, progress: MergeProgress, reuse: Reuse) -> None:
+        for observer in self._observers:
+            observer.reused(progress, reuse)
 
 
 
