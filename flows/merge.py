@@ -146,6 +146,7 @@ def run_export(plan: MergePlan, allow_unchanged: bool = False) -> tuple[dict[str
     logger.info("Wrote %d shard(s), %d tensors, %d bytes", len(ordered), output.tensor_count, output.total_size)
     progress.counting(HASHING, hashes)  # what the writers left of hashing the rank files
     copied = copy_future.result() if copy_future is not None else None
+    progress.report_reuse(len(output.shards), copied)  # a rerun: how much of the kept staging it reused
     extra_files = (list(adapter.files) if adapter else []) + (list(copied.files) if copied else [])
     manifest = write_metadata(light(plan), light(output), rank_digests(plan, hashes), light(ordered), extra_files or None,
                               lora.fusion_record() if lora else None)

@@ -38,12 +38,13 @@ from mergeflow.export.progress import (
     WRITE_PROGRESS,
     WRITING,
     MergeProgress,
+    Reuse,
     Snapshot,
     human_bytes,
     human_duration,
     human_rate,
 )
-from mergeflow.records import OutputPlan, ShardRecord
+from mergeflow.records import CopyResult, OutputPlan, ShardRecord
 
 # --- the flow's side -----------------------------------------------------------------------------
 
@@ -59,6 +60,7 @@ class RunProgress:
     def __init__(self, run_id: UUID | None, tracker: MergeProgress) -> None:
         self.run_id = run_id
         self.tracker = tracker
+        self.reused_shards = 0  # write-shard tasks that found an earlier run's shard intact (Cached)
 
     def begin(self, phase: str, total: int | None = None) -> None:
         self.tracker.begin(phase, total)
@@ -98,7 +100,9 @@ class RunProgress:
                 if future is not None:
                     pending -= 1
                     record = future.result()
-                    self.tracker.shard_done(shard_of[id(future)], resumed=_resumed(future))
+                    resumed = _resumed(future)
+                    self.reused_shards += resumed
+                    self.tracker.shard_done(shard_of[id(future)], resumed=resumed)
                 done = self.tracker.bytes_done
                 if done != reported:
                     report_progress(artifact, done, total)
@@ -114,6 +118,20 @@ class RunProgress:
 
     def wrote(self, shard: int, nbytes: int, attempt: int) -> None:
         self.tracker.wrote(shard, nbytes, attempt)
+
+    def report_reuse(self, shards: int, copied: CopyResult | None) -> Reuse | None:
+        """After the shards and copies: how much a rerun reused of the staging an earlier run kept.
+
+        Said in the run's log (the UI) and on the command line's stderr; nothing when nothing was reused.
+        """
+        from prefect.logging import get_run_logger
+
+        reuse = Reuse(self.reused_shards, shards, len(copied.reused) if copied else 0, len(copied.files) if copied else 0)
+        if not reuse.shards and not reuse.files:
+            return None
+        get_run_logger().info("Resumed the staging an earlier run kept: %s", reuse.words())
+        self.tracker.reused(reuse)
+        return reuse
 
 
 def merge_progress() -> RunProgress:
@@ -211,11 +229,14 @@ def stopped_line(snap: Snapshot) -> str | None:
 
 
 def figures(snap: Snapshot) -> str:
-    """The bar's numbers: bytes done of total, percent, recent rate, ETA; k/N; or the time in the phase."""
+    """The bar's numbers: bytes done of total, percent, recent rate, ETA; k/N; or the time in the phase.
+
+    The ETA is left out (blank) until the model has one worth showing (Snapshot.eta).
+    """
     if snap.phase == WRITING and snap.total is not None:
         percent = 100.0 * (snap.fraction or 0.0)
-        return (f"{human_bytes(snap.done)} of {human_bytes(snap.total)}  {percent:3.0f}%  "
-                f"{human_rate(snap.rate)}  ETA {human_duration(snap.eta)}")
+        eta = f"  ETA {human_duration(snap.eta)}" if snap.eta is not None else ""
+        return f"{human_bytes(snap.done)} of {human_bytes(snap.total)}  {percent:3.0f}%  {human_rate(snap.rate)}{eta}"
     if snap.total is not None:
         return f"{snap.done}/{snap.total}"
     return human_duration(snap.elapsed)
@@ -285,6 +306,16 @@ class StderrProgress:
             if self._bar is not None and self._task is not None:
                 self._bar.update(self._task, completed=now.done)
 
+    def reused(self, progress: MergeProgress, reuse: Reuse) -> None:
+        with self._lock:
+            if self._closed or progress is not self._source:
+                return
+            line = f"{PREFIX}resumed the staging an earlier run kept: {reuse.words()}"
+            if self.live and self._bar is not None:
+                self._print(line)  # above the bar
+            else:
+                self._write(line)
+
     # --- the command's side ----------------------------------------------------------------------
 
     def latest(self) -> Snapshot | None:
@@ -349,9 +380,31 @@ class StderrProgress:
         self._task = self._bar.add_task(label, total=snap.total, completed=snap.done)
 
 
+def telemetry_notice_now() -> None:
+    """Prefect's first-run telemetry notice, if it is due, now: before a progress display, never inside it.
+
+    Prefect prints it when a process imports it on a terminal, at most once per PREFECT_HOME (a marker
+    file there). This process's import skipped it for a home that already had Prefect's files (the
+    local server's), but a process importing Prefect later (a Dask worker, with the same terminal)
+    finds that home already looked at, takes it for a new one and printed the notice in the middle
+    of the progress bar. Shown here it is marked shown, and those processes stay silent.
+    """
+    try:
+        from prefect._internal.analytics import is_telemetry_enabled
+        from prefect._internal.analytics.notice import maybe_show_telemetry_notice
+    except ImportError:  # a Prefect without it: nothing to print
+        return
+    try:
+        if is_telemetry_enabled():  # DO_NOT_TRACK or a CI: never shown (Prefect's own rule at import)
+            maybe_show_telemetry_notice()  # only on a terminal, only once per PREFECT_HOME
+    except Exception:  # noqa: BLE001 - a notice must never stop an export
+        logging.getLogger(__name__).debug("could not settle Prefect's telemetry notice", exc_info=True)
+
+
 @contextmanager
 def stderr_progress(stream: IO[str] | None = None, console: Console | None = None) -> Iterator[StderrProgress]:
     """Show the progress of the merges run in this process while the block runs."""
+    telemetry_notice_now()
     display = StderrProgress(stream, console)
     failed = True
     try:

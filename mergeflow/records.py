@@ -293,6 +293,7 @@ class CopyResult:
 
     files: tuple[FileRecord, ...]
     removed_keys: dict[str, list[str]]
+    reused: tuple[str, ...] = ()  # files an earlier attempt had copied right, kept as they were (a resume)
 
 
 @dataclass(frozen=True)

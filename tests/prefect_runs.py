@@ -60,3 +60,18 @@ def flow_runs(name_like: str | None = None, deployment_id: UUID | None = None) -
 def latest_flow_run(name_like: str) -> Any:
     """The most recently created flow run whose name contains `name_like`."""
     return max(flow_runs(name_like=name_like), key=lambda r: r.created)
+
+
+def flow_run_logs(flow_run_id: UUID, until: str, timeout: float = 30.0) -> list[str]:
+    """The flow run's log messages once one contains `until` (logs reach the server in batches)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    deadline = time.monotonic() + timeout
+    while True:
+        with get_client(sync_client=True) as client:
+            messages = [log.message for log in client.read_logs(
+                log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))]
+        if any(until in m for m in messages) or time.monotonic() > deadline:
+            return messages
+        time.sleep(0.5)

@@ -16,6 +16,7 @@ from builders import Export, clone_export, output_state
 from rich.console import Console
 
 from mergeflow.export.progress import (
+    ETA_AFTER_S,
     HASHING,
     INSPECTING,
     LOADING,
@@ -26,12 +27,13 @@ from mergeflow.export.progress import (
     WRITING,
     MergeProgress,
     RateWindow,
+    Reuse,
     Snapshot,
     eta_seconds,
     human_bytes,
     human_duration,
 )
-from mergeflow.flows.progress import StderrProgress, stderr_progress
+from mergeflow.flows.progress import StderrProgress, figures, stderr_progress
 
 
 class Clock:
@@ -50,12 +52,16 @@ class Recorder:
 
     def __init__(self) -> None:
         self.events: list[tuple[str, Snapshot, Snapshot | None]] = []
+        self.reuses: list[Reuse] = []
 
     def phase_began(self, progress: MergeProgress, now: Snapshot, previous: Snapshot | None) -> None:
         self.events.append(("phase", now, previous))
 
     def advanced(self, progress: MergeProgress, now: Snapshot) -> None:
         self.events.append(("advanced", now, None))
+
+    def reused(self, progress: MergeProgress, reuse: Reuse) -> None:
+        self.reuses.append(reuse)
 
     def phases(self) -> list[str | None]:
         return [snap.phase for kind, snap, _ in self.events if kind == "phase"]
@@ -135,6 +141,52 @@ def test_resumed_shards_count_as_done_but_not_as_speed() -> None:
     snap = progress.snapshot()
     assert (snap.done, snap.resumed) == (5000, 4000)
     assert snap.rate == pytest.approx(250.0) and snap.average_rate == pytest.approx(250.0)
+
+
+def test_the_eta_is_blank_until_the_write_has_moved_for_a_while() -> None:
+    # The first tick once read `ETA 11:59:19`: one small tensor, 0.3 s after the writers began.
+    clock = Clock()
+    progress = MergeProgress(clock=clock)
+    progress.begin_writing([10**9], tensors=100)
+    assert progress.snapshot().eta is None and "ETA" not in figures(progress.snapshot())
+    clock.advance(0.5)  # (binary fractions of a second: exact sums)
+    progress.wrote(0, 100)  # the first report: no rate from the start-up, no ETA
+    first = progress.snapshot()
+    assert first.eta is None and first.rate is None and "ETA" not in figures(first), figures(first)
+    steps = 0
+    while progress.snapshot().eta is None:
+        clock.advance(0.25)
+        progress.wrote(0, 10**6)  # 4 MB/s from now on
+        steps += 1
+        assert steps <= 100, "the ETA never appeared"
+    assert steps * 0.25 == pytest.approx(ETA_AFTER_S)  # once the bytes have moved for ETA_AFTER_S, not before
+    snap = progress.snapshot()
+    assert snap.rate == pytest.approx(4e6)
+    assert snap.eta == pytest.approx((10**9 - snap.done) / 4e6)  # the time left at the measured rate
+    assert figures(snap).endswith(f"ETA {human_duration(snap.eta)}") and ":" in human_duration(snap.eta)
+    clock.advance(60.0)  # a stall: the rate falls to nothing and the ETA is unknown again, never a stale figure
+    assert progress.snapshot().rate == 0.0 and progress.snapshot().eta is None
+
+
+def test_a_resumed_run_says_how_many_shards_and_files_it_reused() -> None:
+    seen = Recorder()
+    progress = MergeProgress(seen)
+    reuse = Reuse(shards=3, of_shards=4, files=7, of_files=7)
+    progress.reused(reuse)
+    assert seen.reuses == [reuse]
+    assert reuse.words() == "reused 3 of 4 shards and 7 of 7 files"
+    assert Reuse(1, 1, 0, 0).words() == "reused 1 of 1 shard"  # a transformer output copies no files
+    out = io.StringIO()
+    with stderr_progress(stream=out):
+        fed = MERGE_PROGRESS.start()
+        fed.begin_writing([100, 100], tensors=2)
+        fed.shard_done(0, resumed=True)
+        fed.shard_done(1)
+        fed.reused(Reuse(1, 2, 0, 0))
+        fed.begin(VALIDATING)
+    lines = out.getvalue().splitlines()
+    assert "mergeflow: resumed the staging an earlier run kept: reused 1 of 2 shards" in lines, lines
+    assert any(line.endswith("resumed 100 B an earlier run had written") for line in lines), lines
 
 
 def test_words_for_sizes_and_durations() -> None:
@@ -324,3 +376,65 @@ def test_the_progress_artifact_ends_at_the_bytes_written(tmp_path: Path, prefect
     expected = 100.0 * sum(n for _, n in writes) / total
     assert 0 < expected < 100 and float(stopped.data) == pytest.approx(expected)
     assert stopped.description.startswith("Stopped: ")
+
+
+# --- Prefect's telemetry notice --------------------------------------------------------------------
+
+TELEMETRY_NOTICE = "Prefect collects anonymous usage data"
+
+
+def _stderr_on_a_terminal(args: list[str], env: dict[str, str], timeout: float = 300) -> tuple[int, str]:
+    """Run `python -m mergeflow ARGS` cold with its stderr on a pseudo-terminal; (exit status, what the terminal got)."""
+    import os
+    import pty
+    import subprocess
+    import sys
+    import threading
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "mergeflow", *args], env=env, cwd=forked_cli.REPO,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=follower)
+    os.close(follower)
+    chunks: list[bytes] = []
+
+    def drain() -> None:
+        while True:
+            try:
+                data = os.read(leader, 65536)
+            except OSError:  # EIO: every holder of the terminal has gone
+                return
+            if not data:
+                return
+            chunks.append(data)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        status = proc.wait(timeout=timeout)
+    finally:
+        proc.kill()
+        reader.join(timeout=30)
+        os.close(leader)
+    return status, _plain(b"".join(chunks).decode("utf-8", "replace"))
+
+
+def test_prefect_s_telemetry_notice_comes_before_the_progress_never_inside_it(
+        tmp_path: Path, prefect_server: Any, pristine_flux_w2: Export) -> None:
+    # A PREFECT_HOME that Prefect takes for a known user's (the local server keeps its database and
+    # `storage` there) and a Dask runner, whose worker processes import Prefect once the bar is up:
+    # the notice was printed by a worker, in the middle of the progress.
+    from prefect._internal.analytics.ci_detection import CI_ENV_VARS
+
+    ex = clone_export(pristine_flux_w2, tmp_path)
+    home = tmp_path / "prefect-home"
+    (home / "storage").mkdir(parents=True)
+    env = {**prefect_server.client_env(), "HF_HUB_OFFLINE": "1", "PREFECT_HOME": str(home), "TERM": "xterm-256color"}
+    for name in (*CI_ENV_VARS, "DO_NOT_TRACK"):  # telemetry as a user's terminal has it (Prefect never shows it in CI)
+        env.pop(name, None)
+    status, terminal = _stderr_on_a_terminal(
+        ["merge", "--backend", "fsdp", "--local_dir", str(ex.actor_dir), "--target_dir", str(tmp_path / "out"),
+         "--base_model", str(ex.base_dir), "--output_format", "transformer", "--task_runner", "dask"], env)
+    assert status == 0, terminal
+    assert terminal.count(TELEMETRY_NOTICE) == 1, terminal  # shown once: Prefect's own rule, kept
+    assert terminal.index(TELEMETRY_NOTICE) < terminal.index("mergeflow: inspecting"), terminal
+    assert "mergeflow: done in " in terminal, terminal

@@ -14,7 +14,7 @@ from typing import Any
 import forked_cli
 import pytest
 from builders import Export, assert_bit_exact, clone_export, output_state, tree_digest
-from prefect_runs import latest_flow_run, shard_states, task_runs
+from prefect_runs import flow_run_logs, latest_flow_run, shard_states, task_runs
 
 from mergeflow import merge_model, validate_artifact
 from mergeflow.errors import ArtifactInvalidError
@@ -93,6 +93,9 @@ def test_failed_validation_keeps_staging_and_a_fresh_run_reuses_shards(tmp_path:
     states = shard_states(runs)
     assert states.pop(f"write-shard-{names.index(bad):05d}") == "Completed"  # rewritten: its stamp changed
     assert set(states.values()) == {"Cached"}, states
+    # The run's log (the UI) says that it resumed, and how much it reused.
+    said = f"Resumed the staging an earlier run kept: reused {len(names) - 1} of {len(names)} shards"
+    assert said in flow_run_logs(second_id, said), said
     out = Path(fresh.output_dir)
     assert tree_digest(out) == tree_digest(reference)
     assert_bit_exact(ex.actor.state_dict(), output_state(out))
@@ -173,6 +176,11 @@ def test_merge_killed_mid_write_resumes_byte_identical(tmp_path: Path, prefect_s
     resumed = latest_flow_run("merge-ckpt-step1")
     states = shard_states(task_runs(resumed.id, lambda r: len(shard_states(r)) == len(shard_names(reference))))
     assert list(states.values()).count("Cached") >= finished, states
+    # It says so, on stderr and in the run's log, with the count of the shards it did not write again.
+    reused = list(states.values()).count("Cached")
+    said = f"resumed the staging an earlier run kept: reused {reused} of {len(shard_names(reference))} shards"
+    assert f"mergeflow: {said}\n" in rerun.stderr, rerun.stderr[-3000:]
+    assert said[0].upper() + said[1:] in flow_run_logs(resumed.id, said[1:])
 
 
 def test_dask_local_cluster_gives_a_byte_identical_artifact(tmp_path: Path, prefect_api: Any, pristine_flux_w2: Export) -> None:

@@ -75,8 +75,8 @@ def _digest(path: Path) -> str | None:
 
 
 def copy_one(base: Path, artifact: Path, work: Path, rel: str, base_digest: str,
-             stamp: FileStamp | None) -> tuple[FileRecord, list[str]]:
-    """Copy one base file (configs without local-path keys) and prove the copy's bytes."""
+             stamp: FileStamp | None) -> tuple[FileRecord, list[str], bool]:
+    """Copy one base file (configs without local-path keys) and prove the copy's bytes; True: an earlier copy was kept."""
     raise_if_stopped()  # Ctrl-C / SIGTERM: no new file is started
     src, dst, tmp = base / rel, artifact / rel, _temp_name(work, rel)
     if not is_plain_file(src):
@@ -91,20 +91,22 @@ def copy_one(base: Path, artifact: Path, work: Path, rel: str, base_digest: str,
         data, removed = strip_local_paths(rel, raw, str(base))
         want = hashlib.sha256(data).hexdigest()
         got = _digest(dst)  # a copy from an earlier attempt is kept when it is right
-        if got != want:
+        kept = got == want
+        if not kept:
             write_bytes_durable(dst, data, tmp)
             got = sha256_file(dst)
     else:
         want = base_digest
         got = _digest(dst)
-        if got != want:
+        kept = got == want
+        if not kept:
             _copy_bytes(src, dst, tmp)
             got = sha256_file(dst)
     if got != want:
         raise InputChangedError(f"the copy of base file {rel} does not hash to the base's sha256: the base changed during the export")
     if stamp is not None and FileStamp.of(src) != stamp:
         raise InputChangedError(f"base file {rel} changed during the export; rerun once the base is stable")
-    return FileRecord(rel, got, dst.stat().st_size, "copied"), removed
+    return FileRecord(rel, got, dst.stat().st_size, "copied"), removed, kept
 
 
 def copy_base_files(plan: MergePlan, *, workers: int = 2) -> CopyResult:
@@ -114,7 +116,7 @@ def copy_base_files(plan: MergePlan, *, workers: int = 2) -> CopyResult:
     work.mkdir(parents=True, exist_ok=True)
     ordered = sorted(plan.base.copy_files, key=lambda rel: -plan.input_stamps.get(str(base / rel), FileStamp(0, 0, 0, 0)).size)
 
-    def one(rel: str) -> tuple[FileRecord, list[str]]:
+    def one(rel: str) -> tuple[FileRecord, list[str], bool]:
         return copy_one(base, artifact, work, rel, plan.base.files[rel], plan.input_stamps.get(str(base / rel)))
 
     try:
@@ -125,8 +127,9 @@ def copy_base_files(plan: MergePlan, *, workers: int = 2) -> CopyResult:
         if typed is None:
             raise
         raise typed from None
-    files = tuple(sorted((r for r, _ in results), key=lambda r: r.rel_path))
-    removed = {r.rel_path: keys for r, keys in results if keys}
+    files = tuple(sorted((r for r, _, _ in results), key=lambda r: r.rel_path))
+    removed = {r.rel_path: keys for r, keys, _ in results if keys}
     if removed != plan.conversion.config_changes:  # what the manifest records, decided at inspect
         raise InputChangedError("the base's configs changed during the export (local-path keys differ from inspection)")
-    return CopyResult(files=files, removed_keys=dict(sorted(removed.items())))
+    reused = tuple(sorted(r.rel_path for r, _, kept in results if kept))
+    return CopyResult(files=files, removed_keys=dict(sorted(removed.items())), reused=reused)

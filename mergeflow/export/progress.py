@@ -73,6 +73,9 @@ PHASES = (INSPECTING, LOADING, WRITING, HASHING, VALIDATING, PUBLISHING, UPLOADI
 
 RATE_WINDOW_S = 5.0
 MIN_RATE_SPAN_S = 0.2  # a rate over less than this is noise (the first tensor of a phase)
+# No ETA before the phase's count has moved for this long: the first ticks' rate (one small tensor
+# after the writers' start-up) once promised `ETA 11:59:19` for a write that took seconds.
+ETA_AFTER_S = 2.0
 
 
 class RateWindow:
@@ -135,7 +138,7 @@ class Snapshot:
     elapsed: float  # seconds in this phase
     since_start: float  # seconds since the merge began
     rate: float | None = None  # units per second over the last RATE_WINDOW_S, of what this run itself did
-    eta: float | None = None
+    eta: float | None = None  # None (shown blank) until the count has moved for ETA_AFTER_S
     shards: int = 0  # writing: shards of the output
     tensors: int = 0  # writing: tensors of the output
     resumed: int = 0  # writing: bytes of the shards an earlier run had written and this one reused
@@ -154,6 +157,25 @@ class Snapshot:
         return max(self.done - self.resumed, 0) / self.elapsed
 
 
+@dataclass(frozen=True)
+class Reuse:
+    """What a rerun took over from the staging an earlier run of the same export kept."""
+
+    shards: int  # output shards whose staged file was intact (not written again)
+    of_shards: int
+    files: int  # base files whose staged copy was right (not copied again)
+    of_files: int
+
+    def words(self) -> str:
+        """`reused 3 of 4 shards and 7 of 7 files` (no files part where the output copies none)."""
+        text = f"reused {self.shards} of {_plural(self.of_shards, 'shard')}"
+        return text + (f" and {self.files} of {_plural(self.of_files, 'file')}" if self.of_files else "")
+
+
+def _plural(n: int, thing: str) -> str:
+    return f"{n} {thing}" if n == 1 else f"{n} {thing}s"
+
+
 class Observer(Protocol):
     """What a display implements; `progress` is the merge the snapshot is of (to read it again while drawing)."""
 
@@ -161,6 +183,9 @@ class Observer(Protocol):
         """`previous`: the phase that just ended, as it stood at its end (None for the first phase)."""
 
     def advanced(self, progress: MergeProgress, now: Snapshot) -> None: ...
+
+    def reused(self, progress: MergeProgress, reuse: Reuse) -> None:
+        """A resumed run's count of what it took over from the kept staging (once, after the writing)."""
 
 
 
@@ -196,6 +221,7 @@ class MergeProgress:
         self.started = clock()
         self._state = _State(phase_started=self.started)
         self._rate = RateWindow(window)
+        self._moving_since: float | None = None  # when this run's count first grew since the last restart of the rate
         self._lock = threading.Lock()
 
     # --- the flow's side -------------------------------------------------------------------------
@@ -254,11 +280,16 @@ class MergeProgress:
             s.written = s.size
             if resumed:  # the jump is not this run's speed: start the window over at the new count
                 self._recount_locked()
-                self._rate.reset(self.clock(), self._streamed_locked())
+                self._restart_rate_locked(self.clock(), self._streamed_locked())
                 snap = self._snapshot_locked(self.clock())
             else:
                 snap = self._changed_locked()
         self._tell(snap)
+
+    def reused(self, reuse: Reuse) -> None:
+        """Tell the observer how much of an earlier run's kept staging this run reused."""
+        if self.observer is not None:
+            self.observer.reused(self, reuse)
 
     # --- anyone's side ---------------------------------------------------------------------------
 
@@ -284,7 +315,12 @@ class MergeProgress:
         keep_shards = self._state.shards  # bytes written stay known after the writing phase
         self._state = _State(phase=phase, phase_started=now, total=total, shards=keep_shards,
                              tensors=self._state.tensors)
-        self._rate.reset(now)
+        self._restart_rate_locked(now, 0)
+
+    def _restart_rate_locked(self, now: float, count: int) -> None:
+        """Measure the rate afresh from `count` (a new phase, a resumed shard's jump)."""
+        self._rate.reset(now, count)
+        self._moving_since = None
 
     def _shard_locked(self, shard: int) -> _Shard | None:
         shards = self._state.shards
@@ -302,8 +338,23 @@ class MergeProgress:
     def _changed_locked(self) -> Snapshot:
         self._recount_locked()
         now = self.clock()
-        self._rate.add(now, self._streamed_locked())
+        if self._moving_since is None:
+            # The first report: the rate counts from here, not from the phase's start (the time
+            # the writers took to begin is no speed of theirs).
+            self._moving_since = now
+            self._rate.reset(now, self._streamed_locked())
+        else:
+            self._rate.add(now, self._streamed_locked())
         return self._snapshot_locked(now)
+
+    def _eta_locked(self, now: float, rate: float | None) -> float | None:
+        """The ETA once it means something: never before the count has moved for ETA_AFTER_S (0 when done)."""
+        st = self._state
+        if st.total is not None and st.done >= st.total:
+            return 0.0
+        if self._moving_since is None or now - self._moving_since < ETA_AFTER_S:
+            return None
+        return eta_seconds(st.done, st.total, rate)
 
     def _snapshot_locked(self, now: float) -> Snapshot:
         st = self._state
@@ -311,7 +362,7 @@ class MergeProgress:
         rate = self._rate.rate(now) if st.total is not None else None
         return Snapshot(
             phase=st.phase, done=st.done, total=st.total, elapsed=now - st.phase_started,
-            since_start=now - self.started, rate=rate, eta=eta_seconds(st.done, st.total, rate),
+            since_start=now - self.started, rate=rate, eta=self._eta_locked(now, rate),
             shards=len(st.shards) if writing else 0, tensors=st.tensors if writing else 0,
             resumed=sum(s.size for s in st.shards if s.resumed) if writing else 0,
         )
@@ -351,6 +402,10 @@ class ProgressFeed:
     def advanced(self, progress: MergeProgress, now: Snapshot) -> None:
         for observer in self._observers:
             observer.advanced(progress, now)
+
+    def reused(self, progress: MergeProgress, reuse: Reuse) -> None:
+        for observer in self._observers:
+            observer.reused(progress, reuse)
 
 
 
