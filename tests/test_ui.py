@@ -12,7 +12,7 @@ from typing import Any
 from uuid import uuid4
 
 import pytest
-from prefect_runs import latest_flow_run
+from prefect_runs import flow_run_logs, latest_flow_run
 
 from mergeflow import merge_model
 from mergeflow.errors import ArtifactInvalidError
@@ -44,21 +44,6 @@ def test_names_carry_the_training_run_and_step(tmp_path: Path) -> None:
     assert validate_label(tmp_path / "run-c" / "global_step_4") == "run-c-step4"
 
 
-def _logs(flow_run_id: Any, until: str, timeout: float = 30.0) -> list[str]:
-    """The flow run's log messages once one contains `until` (logs reach the server in batches)."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-
-    deadline = time.monotonic() + timeout
-    while True:
-        with get_client(sync_client=True) as client:
-            messages = [log.message for log in client.read_logs(
-                log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))]
-        if any(until in m for m in messages) or time.monotonic() > deadline:
-            return messages
-        time.sleep(0.5)
-
-
 def _artifact(key: str, flow_run_id: Any) -> Any:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
@@ -83,7 +68,7 @@ def test_merge_run_name_logs_and_summary_through_the_client(tmp_path: Path, pref
     run = latest_flow_run("merge-run-ui-step7")
     assert run.name == "merge-run-ui-step7" and run.state.is_completed()
 
-    messages = _logs(run.id, "Published")
+    messages = flow_run_logs(run.id, "Published")
     start = next(m for m in messages if m.startswith("Merging "))
     assert str(ex.actor_dir) in start and str(ex.base_dir) in start and str(target) in start and "format transformer" in start
     files = sorted(p for p in target.rglob("*") if p.is_file())
