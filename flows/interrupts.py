@@ -43,8 +43,10 @@ _received: list[int] = []  # the signals this process got, first first
 
 def _on_signal(signum: int, frame: FrameType | None) -> None:
     _received.append(signum)
-    if stop_requested():
+    if len(_received) > 1:
         return  # already stopping: never a second exception in the middle of the cleanup
+    # The stop may be requested already: a SIGTERM during a flow run reaches Prefect's handler first
+    # (flows/merge.py then stops the writers), and Prefect sends it again to this one as it unwinds.
     request_stop()
     raise Interrupted(signum)
 

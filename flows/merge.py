@@ -34,6 +34,7 @@ from mergeflow.flows.artifacts import (
 from mergeflow.flows.progress import RunProgress, merge_progress
 from mergeflow.flows.run_names import export_label
 from mergeflow.io.fs import TargetLock
+from mergeflow.io.interrupt import request_stop
 from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.io.os_errors import typed_os_error
 from mergeflow.io.paths import check_target
@@ -182,6 +183,12 @@ def merge_flow(config: ModelMergerConfig) -> JsonObject:
             if typed is None:
                 raise
             raise settle_failed_staging(typed, Path(plan.output.staging)) from None
+        except BaseException:
+            # A SIGTERM inside a flow run reaches Prefect's handler, not ours (its engine installs its own
+            # for the run, which also serves a cancel from the UI): its TerminationSignal unwinds only this
+            # thread, so the writer threads are told here, before the engine waits for them.
+            request_stop()
+            raise
         finally:
             lock.release()
     except OSError as exc:  # before the lock (inspection, the lock itself): nothing staged yet

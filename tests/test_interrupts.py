@@ -149,3 +149,52 @@ def _command_servers_of(pid: int) -> list[int]:
         except OSError:
             continue
     return found
+
+
+def _staged_bytes(root: Path) -> int:
+    return sum(f.stat().st_size for f in root.glob(".out.mergeflow-staging-*/**/*") if f.is_file())
+
+
+def _largest_tensor_bytes(ex: Any) -> int:
+    from safetensors import safe_open
+
+    largest = 0
+    for path in Path(ex.base_dir).rglob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            for key in f.keys():
+                t = f.get_slice(key)
+                n = 1
+                for d in t.get_shape():
+                    n *= d
+                largest = max(largest, n * 4)  # float32 at most: the exported dtype is never wider
+    return largest
+
+
+def test_sigterm_stops_the_writers_between_tensors(tmp_path: Path, prefect_server: Any, pristine_flux_w2: Export) -> None:
+    """SIGTERM, like Ctrl-C, stops the shard writers at their next tensor: the bytes written after the
+    signal are bounded by one tensor per writer, never the rest of a shard (one big shard here)."""
+    ex = clone_export(pristine_flux_w2, tmp_path)
+    target = tmp_path / "out"
+    args = [a for a in merge_args(ex, target)]
+    args[args.index("--max_shard_size") + 1] = "100000000"  # the whole output in one shard
+    proc = forked_cli.popen([str(TESTS / "slow_cli.py"), "0.3", *args], prefect_server.client_env())
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None and _staged_bytes(tmp_path) < 20000:
+            time.sleep(0.02)  # until the one shard is being written
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        at_signal = _staged_bytes(tmp_path)
+        os.kill(proc.pid, signal.SIGTERM)
+        _, text = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    after = _staged_bytes(tmp_path) - at_signal
+    assert proc.returncode == 143, text[-3000:]
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert lines[-1].startswith("mergeflow: interrupted (SIGTERM); nothing was published; work kept for resume in "), lines[-1]
+    per_tensor = _largest_tensor_bytes(ex)
+    print(f"bytes after SIGTERM: {after} (largest tensor {per_tensor}, at signal {at_signal})")
+    assert after <= 2 * per_tensor + 4096, (after, per_tensor)  # two writers, one tensor each, and a shard header
+    assert not target.exists()
