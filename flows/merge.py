@@ -183,11 +183,13 @@ def merge_flow(config: ModelMergerConfig) -> JsonObject:
             if typed is None:
                 raise
             raise settle_failed_staging(typed, Path(plan.output.staging)) from None
-        except BaseException:
+        except BaseException as exc:
             # A SIGTERM inside a flow run reaches Prefect's handler, not ours (its engine installs its own
             # for the run, which also serves a cancel from the UI): its TerminationSignal unwinds only this
-            # thread, so the writer threads are told here, before the engine waits for them.
-            request_stop()
+            # thread, so the writer threads are told here, before the engine waits for them. Only signals
+            # (BaseException, not Exception): an ordinary failure must not stop this process's next export.
+            if not isinstance(exc, Exception):
+                request_stop()
             raise
         finally:
             lock.release()
