@@ -153,6 +153,7 @@ def test_a_served_backfill_reads_and_writes_only_inside_its_roots(tmp_path: Path
     (inside / "run" / "global_step_1").symlink_to(train / "global_step_1")
     with pytest.raises(ConfinementError, match="outside every checkpoint root"):
         backfill_flow(train_dir=str(inside / "run"), **common)
+    (inside / "clean").mkdir()  # no link to refuse first: the run name's own check answers
     with pytest.raises(UsageError, match="run_name '..' cannot name a directory"):
-        backfill_flow(train_dir=str(inside / "run"), run_name="..", **common)
+        backfill_flow(train_dir=str(inside / "clean"), run_name="..", **common)
     assert list(out.iterdir()) == []  # nothing was written
