@@ -19,9 +19,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 from mergeflow.io.interrupt import clear_stop, request_stop, stop_requested
 from mergeflow.io.staging import staging_dirs_of
+
+if TYPE_CHECKING:
+    from prefect.client.schemas.objects import FlowRun
+    from prefect.states import State
 
 # Exit status of a process ended by a signal, as shells report it: 128 + signal number.
 EXIT_STATUS = {signal.SIGINT: 130, signal.SIGTERM: 143}
@@ -137,3 +142,23 @@ def _api_answers() -> bool:
 
     url = get_current_settings().api.url
     return bool(url) and healthy(str(url), timeout=1.0)
+
+
+def name_the_kept_staging(flow: Any, flow_run: FlowRun, state: State) -> None:
+    """`on_crashed` hook: the crashed run's state message also names the staging kept for a resume.
+
+    Prefect's own message ("Execution was aborted by a termination signal.") is all the UI showed;
+    the staging directory was only in the command's last line, which a served run has no console for.
+    """
+    config = flow_run.parameters.get("config")
+    target = config.get("target_dir") if isinstance(config, dict) else getattr(config, "target_dir", None)
+    kept = kept_staging(target if isinstance(target, str) else None)
+    if not kept:
+        return
+    from prefect.client.orchestration import get_client
+    from prefect.states import Crashed
+
+    message = f"{state.message or 'Crashed.'} Work kept for resume in {kept[-1]} (rerun the same export to resume)."
+    # A failed update leaves Prefect's own message: the hook must never change how the command ends.
+    with contextlib.suppress(Exception), get_client(sync_client=True) as client:
+        client.set_flow_run_state(flow_run.id, Crashed(message=message, data=state.data), force=True)

@@ -31,6 +31,7 @@ from mergeflow.flows.artifacts import (
     publish_manifest_artifacts,
     start_progress,
 )
+from mergeflow.flows.interrupts import name_the_kept_staging
 from mergeflow.flows.progress import RunProgress, merge_progress
 from mergeflow.flows.run_names import export_label
 from mergeflow.io.fs import TargetLock
@@ -164,7 +165,8 @@ def run_export(plan: MergePlan, allow_unchanged: bool = False) -> tuple[dict[str
     return result, manifest
 
 
-@flow(name="mergeflow-merge", flow_run_name=merge_run_name, persist_result=True, validate_parameters=True)
+@flow(name="mergeflow-merge", flow_run_name=merge_run_name, persist_result=True, validate_parameters=True,
+      on_crashed=[name_the_kept_staging])
 def merge_flow(config: ModelMergerConfig) -> JsonObject:
     """Export an FSDP checkpoint as a verified, atomically published artifact."""
     started = time.monotonic()

@@ -79,6 +79,7 @@ def test_an_interrupted_export_ends_with_one_line_and_resumes(tmp_path: Path, pr
     state = _final_state(prefect_server, run_ids[0])
     assert state.type.value in ("CRASHED", "CANCELLED"), state
     assert state.message and "aborted by" in state.message, state.message  # e.g. "... by a termination signal."
+    assert f"Work kept for resume in {kept} " in state.message, state.message  # the UI names the kept staging too
     assert kept.is_dir() and kept.parent == tmp_path and not target.exists()
     if times == 1:
         return  # the resume after a kill is proven elsewhere (test_resume, test_crash_recovery); once here
