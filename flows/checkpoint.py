@@ -8,6 +8,8 @@ so optional keys are resolved here, in Python, against the defaults given to `se
 
 from __future__ import annotations
 
+import contextlib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +51,17 @@ def _step_of(checkpoint: JsonObject, actor_dir: Path) -> int | None:
     return step
 
 
+# A name an event gives becomes a directory under the target root: letters, digits, '.', '_', '-' only
+# (no separators, no control characters a terminal or a file manager would act on), bounded length.
+MAX_NAME_LENGTH = 100
+SAFE_NAME = re.compile(rf"[A-Za-z0-9._-]{{1,{MAX_NAME_LENGTH}}}")
+
+
 def _plain_name(value: Any, what: str) -> str:
-    name = str(value)
-    if not name or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name:
-        raise UsageError(f"the event's {what} {value!r} cannot name a directory; use a plain name")
+    name = value if isinstance(value, str) else ""
+    if not SAFE_NAME.fullmatch(name) or name in (".", ".."):
+        raise UsageError(f"the event's {what} {value!r} cannot name a directory: use 1-{MAX_NAME_LENGTH} "
+                         "letters, digits, '.', '_' or '-' (not '.' or '..')")
     return name
 
 
@@ -86,12 +95,13 @@ def resolve_checkpoint_config(
     Every path the payload names is checked against `confinement` (resolved, symlinks
     followed) before anything is read or written; the config holds the resolved paths.
     """
-    if not isinstance(checkpoint, dict) or "local_dir" not in checkpoint:
+    if not isinstance(checkpoint, dict) or checkpoint.get("local_dir") is None:
         raise UsageError("the checkpoint event has no local_dir; emit it with mergeflow.events.checkpoint_saved(path)")
     # Names (run, step) come from the path as the event gave it; reading uses the resolved one.
     actor_dir = Path(_absolute(checkpoint["local_dir"], "local_dir"))
     step = _step_of(checkpoint, actor_dir)
-    run_name = _plain_name(checkpoint.get("run_name") or actor_dir.parent.parent.name or "checkpoints", "run_name")
+    given = checkpoint.get("run_name")  # only a missing (null) one defaults: "" is refused like any unsafe name
+    run_name = _plain_name(given if given is not None else actor_dir.parent.parent.name or "checkpoints", "run_name")
     local_dir = confinement.checkpoint(str(actor_dir))
     base = checkpoint.get("base_model") or base_model
     if not base:
@@ -125,14 +135,16 @@ class CheckpointPayload(BaseModel):
     # Training code may add its own keys (`extra=` of checkpoint_saved); they ride along unread.
     model_config = ConfigDict(extra="allow")
 
-    local_dir: str = Field(description="Absolute path of the checkpoint's actor directory, as verl saves it: "
+    # Typed loosely on purpose: Prefect validates parameters when it creates the run, and a wrongly typed
+    # value there meant no flow run at all; resolve_checkpoint_config checks them inside the run instead.
+    local_dir: Any = Field(default=None, description="Absolute path of the checkpoint's actor directory, as verl saves it: "
                                        "<train_dir>/global_step_<N>/actor (below one of checkpoint_roots).")
-    step: int | None = Field(default=None, description="Training step N; default: read from the global_step_<N> folder name.")
-    run_name: str | None = Field(default=None, description="Training run name (a plain folder name); default: the folder "
+    step: Any = Field(default=None, description="Training step N; default: read from the global_step_<N> folder name.")
+    run_name: Any = Field(default=None, description="Training run name (a plain folder name); default: the folder "
                                                            "above global_step_<N>. Names the target and the flow run.")
-    base_model: str | None = Field(default=None, description="Absolute path of the base model; default: the deployment's "
+    base_model: Any = Field(default=None, description="Absolute path of the base model; default: the deployment's "
                                                              "base_model (or one of allowed_base_models).")
-    target_dir: str | None = Field(default=None, description="Absolute path to publish to (below target_root); default: "
+    target_dir: Any = Field(default=None, description="Absolute path to publish to (below target_root); default: "
                                                              "<target_root>/<run_name>/global_step_<N>.")
 
 
@@ -197,7 +209,14 @@ def merge_checkpoint_flow(
     target = Path(str(config.target_dir))
     if not Path(confinement.target_root).is_dir():
         raise UsageError(f"--target-root {target_root} does not exist (any more); create it")
-    if not payload.get("target_dir"):
-        target.parent.mkdir(exist_ok=True)  # the per-run folder under the target root (checked above)
-    runner = make_task_runner(task_runner, workers=workers, dask_address=dask_address)
-    return merge_flow.with_options(task_runner=runner)(config=config)
+    made = not payload.get("target_dir") and not target.parent.exists()
+    if made:
+        target.parent.mkdir()  # the per-run folder under the target root (checked above)
+    try:
+        runner = make_task_runner(task_runner, workers=workers, dask_address=dask_address)
+        return merge_flow.with_options(task_runner=runner)(config=config)
+    except BaseException:
+        if made:  # a refused or failed export leaves no empty exports/<run>/ behind
+            with contextlib.suppress(OSError):
+                target.parent.rmdir()  # only if still empty: kept staging stays, with its folder
+        raise

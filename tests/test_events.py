@@ -224,3 +224,65 @@ def test_in_process_emit_and_watch_reach_the_server(tmp_path: Path, prefect_serv
     assert len(page.events) == 1
     assert page.events[0].payload["target_dir"] == str(tmp_path / "out" / "my-run-2")
     assert page.events[0].payload["step"] == 2
+
+
+# The served event cases: a run name must be a safe slug, whatever the event says.
+UNSAFE_RUN_NAMES = ["a/b", ".", "..", "a\x1bb", "a\nb", "a b", "x" * 101, "", 3, ["run"]]
+
+
+@pytest.mark.parametrize("run_name", UNSAFE_RUN_NAMES, ids=[repr(n)[:12] for n in UNSAFE_RUN_NAMES])
+def test_an_unsafe_run_name_is_refused_and_leaves_nothing(tmp_path: Path, run_name: Any) -> None:
+    from mergeflow.flows.checkpoint import resolve_checkpoint_config
+    from mergeflow.io.confinement import Confinement
+
+    actor = tmp_path / "ckpt" / "train" / "global_step_3" / "actor"
+    actor.mkdir(parents=True)
+    (tmp_path / "base").mkdir()
+    exports = tmp_path / "exports"
+    exports.mkdir()
+    confinement = Confinement.of([str(tmp_path / "ckpt")], str(exports), [str(tmp_path / "base")])
+    payload = {"local_dir": str(actor), "step": 3, "run_name": run_name}
+    with pytest.raises(UsageError, match="run_name .* cannot name a directory"):
+        resolve_checkpoint_config(payload, confinement=confinement, base_model=str(tmp_path / "base"), target_root=str(exports))
+    assert list(exports.iterdir()) == []
+
+
+@pytest.mark.parametrize("payload,reason", [
+    ({"local_dir": ["/x"], "step": 3}, "local_dir must be an absolute path"),
+    ({"step": "three"}, "step must be a non-negative integer"),
+    ({"step": [3]}, "step must be a non-negative integer"),
+    ({"run_name": "bad/name"}, "cannot name a directory"),
+], ids=["local_dir-list", "step-word", "step-list", "run_name-slash"])
+def test_a_malformed_event_is_a_failed_flow_run_with_the_reason(tmp_path: Path, prefect_server: PrefectServer,
+                                                                payload: dict[str, Any], reason: str) -> None:
+    """Raw payload values reach the flow (no parameter validation drops the run): it fails with one reason."""
+    from mergeflow.flows.checkpoint import merge_checkpoint_flow
+
+    actor = tmp_path / "ckpt" / "train" / "global_step_3" / "actor"
+    actor.mkdir(parents=True)
+    (tmp_path / "base").mkdir()
+    exports = tmp_path / "exports"
+    exports.mkdir()
+    with prefect_server.activated():
+        state = merge_checkpoint_flow(checkpoint={"local_dir": str(actor), **payload}, base_model=str(tmp_path / "base"),
+                                      target_root=str(exports), checkpoint_roots=[str(tmp_path / "ckpt")], return_state=True)
+    assert state.is_failed(), state
+    assert reason in (state.message or ""), state.message
+    assert list(exports.iterdir()) == []
+
+
+def test_a_failed_export_leaves_no_empty_run_folder(tmp_path: Path, prefect_server: PrefectServer) -> None:
+    """The per-run folder made for the target is removed again when the export fails (here: no checkpoint files)."""
+    from mergeflow.flows.checkpoint import merge_checkpoint_flow
+
+    actor = tmp_path / "ckpt" / "train" / "global_step_3" / "actor"
+    actor.mkdir(parents=True)
+    (tmp_path / "base").mkdir()
+    exports = tmp_path / "exports"
+    exports.mkdir()
+    with prefect_server.activated():
+        state = merge_checkpoint_flow(checkpoint={"local_dir": str(actor), "step": 3, "run_name": "train"},
+                                      base_model=str(tmp_path / "base"), target_root=str(exports),
+                                      checkpoint_roots=[str(tmp_path / "ckpt")], return_state=True)
+    assert state.is_failed(), state
+    assert list(exports.iterdir()) == [], list(exports.iterdir())
