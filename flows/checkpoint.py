@@ -60,7 +60,7 @@ SAFE_NAME = re.compile(rf"[A-Za-z0-9._-]{{1,{MAX_NAME_LENGTH}}}")
 def _plain_name(value: Any, what: str) -> str:
     name = value if isinstance(value, str) else ""
     if not SAFE_NAME.fullmatch(name) or name in (".", ".."):
-        raise UsageError(f"the event's {what} {value!r} cannot name a directory: use 1-{MAX_NAME_LENGTH} "
+        raise UsageError(f"the event's {what} {value!r} cannot name a directory; use a plain name: 1-{MAX_NAME_LENGTH} "
                          "letters, digits, '.', '_' or '-' (not '.' or '..')")
     return name
 
@@ -137,7 +137,7 @@ class CheckpointPayload(BaseModel):
 
     # Typed loosely on purpose: Prefect validates parameters when it creates the run, and a wrongly typed
     # value there meant no flow run at all; resolve_checkpoint_config checks them inside the run instead.
-    local_dir: Any = Field(default=None, description="Absolute path of the checkpoint's actor directory, as verl saves it: "
+    local_dir: Any = Field(description="Absolute path of the checkpoint's actor directory, as verl saves it: "
                                        "<train_dir>/global_step_<N>/actor (below one of checkpoint_roots).")
     step: Any = Field(default=None, description="Training step N; default: read from the global_step_<N> folder name.")
     run_name: Any = Field(default=None, description="Training run name (a plain folder name); default: the folder "
