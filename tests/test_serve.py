@@ -243,3 +243,19 @@ def test_prefect_yaml_deploys_with_prefect_deploy_all(tmp_path: Path, prefect_se
     trigger = automations[0].trigger
     assert trigger.expect == {"mergeflow.checkpoint.saved"}
     assert automations[0].actions[0].parameters == {"checkpoint": "{{ event.payload }}"}
+
+
+def test_a_malformed_served_event_is_a_failed_run_with_its_reason(tmp_path: Path, served: dict[str, Any]) -> None:
+    """A wrongly typed step reaches the served flow (no run dropped by parameter validation): a failed run, one reason."""
+    from prefect.events import emit_event
+
+    from mergeflow.events import build_checkpoint_event
+
+    ex, root, deployment = served["export"], served["root"], served["deployment"]
+    resource, payload = build_checkpoint_event(ex.actor_dir)
+    emit_event(event="mergeflow.checkpoint.saved", resource=resource, payload={**payload, "step": [1]})
+    runs = wait_for(lambda: [r for r in flow_runs(deployment_id=deployment.id) if r.state is not None and r.state.is_final()],
+                    240, "the malformed event's run", served["proc"], served["log"])
+    assert runs[0].state.is_failed(), runs[0].state
+    assert "step must be a non-negative integer" in (runs[0].state.message or ""), runs[0].state.message
+    assert list(root.iterdir()) == []  # nothing created under the target root
