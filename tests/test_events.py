@@ -226,6 +226,16 @@ def test_in_process_emit_and_watch_reach_the_server(tmp_path: Path, prefect_serv
     assert page.events[0].payload["step"] == 2
 
 
+def _served_layout(tmp_path: Path) -> tuple[Path, Path]:
+    """A served run's directories: a checkpoint below `ckpt/`, an empty `base/`, and the `exports/` target root."""
+    actor = tmp_path / "ckpt" / "train" / "global_step_3" / "actor"
+    actor.mkdir(parents=True)
+    (tmp_path / "base").mkdir()
+    exports = tmp_path / "exports"
+    exports.mkdir()
+    return actor, exports
+
+
 # The served event cases: a run name must be a safe slug, whatever the event says.
 UNSAFE_RUN_NAMES = ["a/b", ".", "..", "a\x1bb", "a\nb", "a b", "x" * 101, "", 3, ["run"]]
 
@@ -235,11 +245,7 @@ def test_an_unsafe_run_name_is_refused_and_leaves_nothing(tmp_path: Path, run_na
     from mergeflow.flows.checkpoint import resolve_checkpoint_config
     from mergeflow.io.confinement import Confinement
 
-    actor = tmp_path / "ckpt" / "train" / "global_step_3" / "actor"
-    actor.mkdir(parents=True)
-    (tmp_path / "base").mkdir()
-    exports = tmp_path / "exports"
-    exports.mkdir()
+    actor, exports = _served_layout(tmp_path)
     confinement = Confinement.of([str(tmp_path / "ckpt")], str(exports), [str(tmp_path / "base")])
     payload = {"local_dir": str(actor), "step": 3, "run_name": run_name}
     with pytest.raises(UsageError, match="run_name .* cannot name a directory"):
@@ -258,11 +264,7 @@ def test_a_malformed_event_is_a_failed_flow_run_with_the_reason(tmp_path: Path, 
     """Raw payload values reach the flow (no parameter validation drops the run): it fails with one reason."""
     from mergeflow.flows.checkpoint import merge_checkpoint_flow
 
-    actor = tmp_path / "ckpt" / "train" / "global_step_3" / "actor"
-    actor.mkdir(parents=True)
-    (tmp_path / "base").mkdir()
-    exports = tmp_path / "exports"
-    exports.mkdir()
+    actor, exports = _served_layout(tmp_path)
     with prefect_server.activated():
         state = merge_checkpoint_flow(checkpoint={"local_dir": str(actor), **payload}, base_model=str(tmp_path / "base"),
                                       target_root=str(exports), checkpoint_roots=[str(tmp_path / "ckpt")], return_state=True)
@@ -275,11 +277,7 @@ def test_a_failed_export_leaves_no_empty_run_folder(tmp_path: Path, prefect_serv
     """The per-run folder made for the target is removed again when the export fails (here: no checkpoint files)."""
     from mergeflow.flows.checkpoint import merge_checkpoint_flow
 
-    actor = tmp_path / "ckpt" / "train" / "global_step_3" / "actor"
-    actor.mkdir(parents=True)
-    (tmp_path / "base").mkdir()
-    exports = tmp_path / "exports"
-    exports.mkdir()
+    actor, exports = _served_layout(tmp_path)
     with prefect_server.activated():
         state = merge_checkpoint_flow(checkpoint={"local_dir": str(actor), "step": 3, "run_name": "train"},
                                       base_model=str(tmp_path / "base"), target_root=str(exports),
