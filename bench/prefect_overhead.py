@@ -40,7 +40,7 @@ def merge_direct(config: Any) -> dict[str, str]:
     from mergeflow.export.shard_writer import pack_shards, write_shard_file
     from mergeflow.export.staged_check import validate_staged
     from mergeflow.io.fs import TargetLock
-    from mergeflow.io.paths import check_target
+    from mergeflow.io.staging import check_target
 
     plan = build_plan(config)
     trust = plan.options.trust_checkpoint

@@ -121,7 +121,7 @@ class PlainRun:
 PLAIN_STAGES = {
     "inspect": "mergeflow.export.plan.build_plan",
     "lock": "mergeflow.io.fs.TargetLock.acquire",
-    "target": "mergeflow.io.paths.check_target",
+    "target": "mergeflow.io.staging.check_target",
     "index": "mergeflow.export.rank_index.index_rank_file",
     "reconstruct": "mergeflow.export.layout.rank_layouts, then mergeflow.export.reconstruct.plan_tensor_writes",
     "write": "mergeflow.export.shard_writer.write_shard_file",
@@ -169,7 +169,7 @@ def plain_export(config: ModelMergerConfig, run: PlainRun | None = None) -> dict
 
 def _plain_run_export(plan, run: PlainRun) -> dict[str, str]:  # type: ignore[no-untyped-def]
     from mergeflow.export.shard_writer import pack_shards
-    from mergeflow.io.paths import check_target
+    from mergeflow.io.staging import check_target
     from mergeflow.tasks.copy_components import copy_components
     from mergeflow.tasks.layouts import combine_rank_layouts
     from mergeflow.tasks.load import hash_rank, load_rank_shards

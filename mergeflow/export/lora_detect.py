@@ -18,7 +18,8 @@ from mergeflow.formats.verl_checkpoint import LORA_META
 from mergeflow.formats.weight_index import read_weight_map
 from mergeflow.io.fs import FileStamp, sha256_file
 from mergeflow.io.jsonfiles import JsonObject, read_json_strict
-from mergeflow.io.paths import check_no_overlap, check_target
+from mergeflow.io.paths import check_no_overlap
+from mergeflow.io.staging import check_target
 from mergeflow.lora.config import (
     ADAPTER_CONFIG_NAME,
     AdapterSettings,

@@ -33,7 +33,8 @@ from mergeflow.formats.verl_checkpoint import (
 )
 from mergeflow.io.jsonfiles import JsonObject, read_json_strict
 from mergeflow.io.os_errors import check_target_parent
-from mergeflow.io.paths import check_no_overlap, check_target
+from mergeflow.io.paths import check_no_overlap
+from mergeflow.io.staging import check_target
 
 CHECKPOINT_CONFIG = "huggingface/config.json of the checkpoint"
 

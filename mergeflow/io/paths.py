@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path, PurePosixPath
 
-from mergeflow.errors import PathSafetyError, TargetExistsError, UsageError
+from mergeflow.errors import PathSafetyError
 
 STAGING_MARKER = ".mergeflow-staging-"
 LOCK_SUFFIX = ".mergeflow.lock"
@@ -36,27 +36,6 @@ def check_no_overlap(named: dict[str, Path]) -> None:
         for label_b, b in items[i + 1 :]:
             if _within(a, b) or _within(b, a):
                 raise PathSafetyError(f"{label_a} ({a}) and {label_b} ({b}) overlap; use separate directories")
-
-
-def check_target(target: Path) -> Path:
-    """The target must not exist and its parent must; returns the absolute target."""
-    target = Path(target).expanduser()
-    if target.name in ("", ".", ".."):
-        raise UsageError(f"--target_dir {target} must name a new directory")
-    absolute = target.parent.resolve() / target.name
-    if absolute.exists() or absolute.is_symlink():
-        from mergeflow.io.staging import clear_publish_leftovers, orphans_of  # staging imports this module
-
-        removed = clear_publish_leftovers(absolute)  # a kill after the publish rename left them
-        kept = orphans_of(absolute)
-        raise TargetExistsError(
-            f"target {absolute} already exists; mergeflow never overwrites, choose a new --target_dir"
-            + (f"; removed what an interrupted publish left beside it: {', '.join(removed)}" if removed else "")
-            + (f"; staging dir(s) of this target that nothing will resume: {', '.join(map(str, kept))} "
-               "(`mergeflow staging clean` removes them)" if kept else ""))
-    if not absolute.parent.is_dir():
-        raise UsageError(f"the parent of --target_dir ({absolute.parent}) does not exist; create it first")
-    return absolute
 
 
 def staging_dir_for(target: Path, fingerprint: str) -> Path:

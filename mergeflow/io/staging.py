@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from mergeflow.errors import ConcurrentExportError, MergeflowError, UsageError
+from mergeflow.errors import ConcurrentExportError, MergeflowError, TargetExistsError, UsageError
 from mergeflow.io.fs import TargetLock
 from mergeflow.io.jsonfiles import is_partial_write
 from mergeflow.io.paths import STAGING_MARKER, lock_path_for
@@ -189,6 +189,25 @@ def clear_publish_leftovers(target: Path) -> list[str]:
     except (ConcurrentExportError, OSError):
         return []  # a running export (or one of ours in this process) owns them
     return [str(p) for p in empty] + ([str(lock)] if had_lock else [])
+
+
+def check_target(target: Path) -> Path:
+    """The target must not exist and its parent must; returns the absolute target."""
+    target = Path(target).expanduser()
+    if target.name in ("", ".", ".."):
+        raise UsageError(f"--target_dir {target} must name a new directory")
+    absolute = target.parent.resolve() / target.name
+    if absolute.exists() or absolute.is_symlink():
+        removed = clear_publish_leftovers(absolute)  # a kill after the publish rename left them
+        kept = orphans_of(absolute)
+        raise TargetExistsError(
+            f"target {absolute} already exists; mergeflow never overwrites, choose a new --target_dir"
+            + (f"; removed what an interrupted publish left beside it: {', '.join(removed)}" if removed else "")
+            + (f"; staging dir(s) of this target that nothing will resume: {', '.join(map(str, kept))} "
+               "(`mergeflow staging clean` removes them)" if kept else ""))
+    if not absolute.parent.is_dir():
+        raise UsageError(f"the parent of --target_dir ({absolute.parent}) does not exist; create it first")
+    return absolute
 
 
 def describe_staging(staging: Path, *, now: float | None = None) -> StagingInfo:
