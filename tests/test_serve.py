@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import os
 import shutil
@@ -39,6 +40,24 @@ async def _deployment_ready(name: str) -> Any:
         return deployment if automations or not name.startswith("mergeflow-merge") else None
 
 
+async def _forget_served() -> None:
+    """Deletes the served deployments, their scheduled runs and their event automations from the shared server.
+
+    The test server lives for the whole session: without this, an automation left by an earlier serve turns any
+    later checkpoint event (other tests emit them) into a scheduled run that the next serve picks up first.
+    """
+    from prefect.client.orchestration import get_client
+
+    async with get_client() as client:
+        for name in (MERGE, VALIDATE, BACKFILL):
+            try:
+                deployment = await client.read_deployment_by_name(name)
+            except Exception:  # never registered
+                continue
+            await client.delete_resource_owned_automations(f"prefect.deployment.{deployment.id}")
+            await client.delete_deployment(deployment.id)
+
+
 def wait_for(predicate: Any, timeout: float, what: str, proc: subprocess.Popen[bytes] | None = None, log: Path | None = None) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -69,17 +88,25 @@ def _stop_group(proc: subprocess.Popen[bytes]) -> None:
 @pytest.fixture()
 def served(tmp_path: Path, prefect_server: Any, prefect_api: Any, pristine_flux_w2: Export) -> Iterator[dict[str, Any]]:
     """`python -m mergeflow serve` in its own process group, stopped (with its flow runs) at the end."""
-    ex = clone_export(pristine_flux_w2, tmp_path)  # the real W=2 checkpoint, copied: no torch build here
+    with _serving(tmp_path, prefect_server, pristine_flux_w2) as info:
+        yield info
+
+
+@contextlib.contextmanager
+def _serving(tmp_path: Path, prefect_server: Any, pristine: Export, *, max_shard_size: str = "60000",
+             extra_env: dict[str, str] | None = None) -> Iterator[dict[str, Any]]:
+    ex = clone_export(pristine, tmp_path)  # the real W=2 checkpoint, copied: no torch build here
     root = tmp_path / "exports"
     root.mkdir()
-    env = prefect_server.client_env()
+    env = {**prefect_server.client_env(), **(extra_env or {})}
     env["PREFECT_RUNNER_POLL_FREQUENCY"] = "1"  # pick up triggered runs within a second
     log = tmp_path / "serve.log"
+    asyncio.run(_forget_served())
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "mergeflow", "serve", "--base_model", str(ex.base_dir), "--target-root", str(root),
              "--checkpoint-root", str(tmp_path),
-             "--output_format", "transformer", "--max_shard_size", "60000"],
+             "--output_format", "transformer", "--max_shard_size", max_shard_size],
             env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )
     try:
@@ -89,6 +116,7 @@ def served(tmp_path: Path, prefect_server: Any, prefect_api: Any, pristine_flux_
         yield {"export": ex, "root": root, "deployment": deployment, "proc": proc, "log": log}
     finally:
         _stop_group(proc)
+        asyncio.run(_forget_served())
 
 
 def completed_runs(deployment_id: Any) -> list[Any]:
@@ -259,3 +287,40 @@ def test_a_malformed_served_event_is_a_failed_run_with_its_reason(tmp_path: Path
     assert runs[0].state.is_failed(), runs[0].state
     assert "step must be a non-negative integer" in (runs[0].state.message or ""), runs[0].state.message
     assert list(root.iterdir()) == []  # nothing created under the target root
+
+
+def test_sigterm_stops_a_served_runs_writers_between_tensors(tmp_path: Path, prefect_server: Any, prefect_api: Any,
+                                                            pristine_flux_w2: Export) -> None:
+    """A scheduler's SIGTERM to a served flow run's process stops its writers at the next tensor, as on the CLI:
+    the bytes written after the signal are bounded by one tensor per writer, never the rest of the shard."""
+    import psutil
+    from prefect.events import emit_event
+    from test_interrupts import _largest_tensor_bytes
+
+    from mergeflow.events import build_checkpoint_event
+
+    slow = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "slow_site"), os.environ.get("PYTHONPATH", "")]),
+            "MERGEFLOW_TEST_SLOW_TENSOR_S": "0.3"}
+    with _serving(tmp_path, prefect_server, pristine_flux_w2, max_shard_size="100000000", extra_env=slow) as info:
+        ex, root, deployment = info["export"], info["root"], info["deployment"]
+
+        def staged() -> int:
+            return sum(f.stat().st_size for f in root.rglob("*") if f.is_file() and "mergeflow-staging" in str(f))
+
+        resource, payload = build_checkpoint_event(ex.actor_dir)
+        emit_event(event="mergeflow.checkpoint.saved", resource=resource, payload=payload)
+        wait_for(lambda: staged() >= 20000, 240, "the served run writing its one shard", info["proc"], info["log"])
+        children = psutil.Process(info["proc"].pid).children(recursive=True)
+        runners = [p for p in children if p.cmdline()[1:] == ["-m", "prefect.engine"]]
+        assert len(runners) == 1, [p.cmdline() for p in children]  # the flow run's own spawned process
+        at_signal = staged()
+        runners[0].send_signal(signal.SIGTERM)
+        runs = wait_for(lambda: [r for r in flow_runs(deployment_id=deployment.id) if r.state is not None and r.state.is_final()],
+                        120, "the signalled run's final state", info["proc"], info["log"])
+        after = staged() - at_signal
+    per_tensor = _largest_tensor_bytes(ex)
+    print(f"served run: bytes after SIGTERM: {after} (largest tensor {per_tensor}, at signal {at_signal})")
+    assert not runs[0].state.is_completed(), runs[0].state
+    assert after <= 2 * per_tensor + 4096, (after, per_tensor)  # two writers, one tensor each, and a shard header
+    assert not any(p.is_dir() and "mergeflow-staging" not in p.name and (p / "merge_manifest.json").exists()
+                   for p in root.rglob("*")), "nothing may be published"
