@@ -154,7 +154,7 @@ def payload_dict(checkpoint: CheckpointPayload | JsonObject) -> JsonObject:
 
 
 def checkpoint_run_name() -> str:
-    """`checkpoint-<run>-step<N>`: the same label its merge subflow (`merge-<run>-step<N>`) carries."""
+    """`checkpoint-<run>-step<N>`: the event's run name, the one its merge subflow (`merge-<run>-step<N>`) carries unless `watch --run-name` renamed the run."""
     checkpoint = (flow_run.parameters or {}).get("checkpoint") or {}
     payload = payload_dict(checkpoint) if isinstance(checkpoint, (dict, BaseModel)) else {}
     run, step = payload.get("run_name"), payload.get("step")

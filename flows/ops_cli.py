@@ -51,7 +51,7 @@ def add_ops_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
                        help="ORG/REPO to upload each export to; may use {run_name} and {step}")
     serve.add_argument("--private", action="store_true", help="create each Hub repo private")
     serve.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help="parallel shard writers per merge")
-    serve.add_argument("--limit", type=int, default=1, help="merges running at the same time (default 1)")
+    serve.add_argument("--limit", type=int, default=1, help="merges running at the same time")
     add_task_runner_flags(serve)
     serve.add_argument("--debug", action="store_true", help="show tracebacks and Prefect's console logs")
 

@@ -1,8 +1,8 @@
 """Readable names of flow runs and artifact keys in the Prefect UI.
 
 Every training run saves `global_step_100`, so a target's leaf alone names nothing: a name
-carries the training run and step when the layout tells them (`<run>-step<N>`), else the
-target's parent and leaf. Names use only what Prefect artifact keys accept (lowercase
+carries the training run and step when the layout tells them (`<run>-step<N>`, the source's
+before the target's), else the target's parent and leaf. Names use only what Prefect artifact keys accept (lowercase
 letters, digits, dashes), so one label serves both the run name and the artifact keys.
 """
 
@@ -32,8 +32,12 @@ def verl_run_step(path: Path) -> tuple[str, int] | None:
 
 
 def export_label(target: str | Path | None, local_dir: str | Path | None = None) -> str:
-    """`<run>-step<N>` when the target (or else the source) is in verl's layout, else `<parent>-<leaf>` of the target."""
-    for path in (target, local_dir):
+    """`<run>-step<N>` when the source (or else the target) is in verl's layout, else `<parent>-<leaf>` of the target.
+
+    The source first: `myrun/global_step_7/actor` exported to `exports/global_step_7` is myrun's step 7,
+    not a run called "exports"; a target names the run only when the source does not.
+    """
+    for path in (local_dir, target):
         found = verl_run_step(Path(str(path))) if path else None
         if found is not None:
             run, step = found

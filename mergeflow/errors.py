@@ -3,7 +3,8 @@
 Each class declares what it carries: `exit_code` (the CLI's exit status), `retryable` (read by the
 tasks' retry policy: a refusal of the input stays a refusal on the next try, an I/O hiccup may
 not), and, for a failed export, `staging_dir` (the kept work a rerun resumes from). Builtin bases
-where they fit: a full disk is an `OSError`, so code that handles OSErrors handles it too.
+where they fit: a full disk, a refused access and a failing disk are `OSError`s, so code that handles
+OSErrors handles them too (typed from an OSError, they keep its errno and file names).
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ class MergeflowError(Exception):
         return one_line(self.message)
 
     def __reduce__(self) -> tuple[object, ...]:
-        # Prefect pickles a failed task's exception into its state: keep the declared fields.
-        return (_rebuild, (type(self), self.message, self.staging_dir))
+        # Prefect pickles a failed task's exception into its state: keep the declared fields, and
+        # an OSError's errno and file names (restored by BaseException.__setstate__).
+        state = {name: getattr(self, name) for name in ("errno", "filename", "filename2")} if isinstance(self, OSError) else None
+        return (_rebuild, (type(self), self.message, self.staging_dir), state)
 
     def kept_in(self, staging_dir: str) -> MergeflowError:
         """This error, noting the staging directory kept for a resume; returns self for `raise`."""
@@ -57,10 +60,17 @@ def _rebuild(cls: type[MergeflowError], message: str, staging_dir: str | None) -
 
 
 def is_retryable(exc: BaseException) -> bool:
-    """Whether another attempt may succeed: our errors say so; anything else is an unforeseen hiccup."""
+    """Whether another attempt may succeed: only what says so. Our errors declare it; an OSError
+    is retried when it is transient (mergeflow.io.os_errors sorts them). Anything else (a TypeError,
+    a KeyError, a failed assert) is a bug, and a second run of a bug only fails again, later."""
     if isinstance(exc, MergeflowError):
         return exc.retryable
-    return isinstance(exc, Exception)
+    if isinstance(exc, OSError):
+        # Imported here: mergeflow.io.os_errors builds on this module's classes.
+        from mergeflow.io.os_errors import is_transient
+
+        return is_transient(exc)
+    return False
 
 
 # -- the user's flags and paths ----------------------------------------------------------------
@@ -135,13 +145,13 @@ class DiskFullError(MergeflowError, OSError):
     resumable = True
 
 
-class FileAccessError(MergeflowError):
+class FileAccessError(MergeflowError, OSError):
     """The operating system refused access to a path: permission denied, or a read-only filesystem."""
 
     resumable = True
 
 
-class StorageIOError(MergeflowError):
+class StorageIOError(MergeflowError, OSError):
     """The disk or network filesystem failed (EIO, a stale handle): another attempt may succeed."""
 
     resumable = True

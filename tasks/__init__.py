@@ -1,7 +1,8 @@
 """The steps of an export as Prefect tasks: thin wrappers around mergeflow's domain functions.
 
 Each module holds the tasks of one step; none imports another. What they share lives here:
-which failures are worth a retry (read from the error's `retryable` flag).
+which failures are worth a retry (mergeflow.errors.is_retryable: a declared `retryable` flag or a
+transient OS error; a bug is never retried).
 
 Caching convention: only rank indexing and hashing and shard writing are cached (their cache
 keys are built from file stamps). Every other task sets `cache_policy=NO_CACHE`: Prefect's default
@@ -16,16 +17,14 @@ from collections.abc import Callable
 from typing import Any, TypedDict
 
 from mergeflow.errors import MergeflowError, is_retryable
-from mergeflow.io.os_errors import typed_os_error
 
 
 def retry_transient(task: Any, task_run: Any, state: Any) -> bool:
-    """Prefect's retry condition: retry what the error hierarchy calls retryable, never a refusal."""
+    """Prefect's retry condition: retry what the error hierarchy calls retryable (a failing disk, a
+    reset connection), never a refusal (a full disk, a permission) and never a bug (a TypeError)."""
     try:
         state.result()
     except Exception as exc:  # noqa: BLE001 - the state's own exception, classified below
-        if isinstance(exc, OSError):  # a full disk or a permission does not heal in a second: only EIO & co. do
-            exc = typed_os_error(exc) or exc
         return is_retryable(exc)
     return False
 

@@ -36,6 +36,20 @@ def test_merge_help_marks_required_flags_and_shows_defaults(capsys: pytest.Captu
     assert "(default: None)" not in text and "(default: False)" not in text
 
 
+def test_every_default_is_said_once(capsys: pytest.CaptureFixture[str]) -> None:
+    # The formatter appends "(default: X)"; a help text that says its default itself said it twice.
+    def shown(p: argparse.ArgumentParser, a: argparse.Action) -> str:  # the help line as --help prints it
+        return (p.formatter_class(p.prog)._get_help_string(a) or "") % dict(vars(a), prog=p.prog)  # type: ignore[attr-defined]
+
+    twice = [(name, a.dest) for name, p in _parsers(build_parser()) for a in p._actions if shown(p, a).count("(default") > 1]
+    assert twice == []
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    limit = text.split("--limit LIMIT ", 1)[1].split(" --", 1)[0]
+    assert limit == "merges running at the same time (default: 1)"
+
+
 def test_version_names_the_libraries_that_shape_the_output(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as done:
         main(["--version"])

@@ -39,6 +39,10 @@ def test_builtin_bases_and_exit_codes() -> None:
     full = E.DiskFullError("no space left")
     assert isinstance(full, OSError) and isinstance(full, E.MergeflowError)
     assert full.exit_code == 2
+    for cls in (E.DiskFullError, E.FileAccessError, E.StorageIOError):  # code handling OSErrors handles them too
+        made = cls("reason\nsecond line", staging_dir="/tmp/s")
+        assert isinstance(made, OSError) and str(made) == "reason second line" and made.args == ("reason\nsecond line",)
+        assert made.errno is None and made.filename is None and made.staging_dir == "/tmp/s"
     assert not issubclass(E.ArtifactInvalidError, ValueError)  # not pydantic's or the Hub's ValidationError
 
 
@@ -47,14 +51,108 @@ def test_builtin_bases_and_exit_codes() -> None:
     [
         (E.CheckpointError("bad input stays bad"), False),
         (E.DiskFullError("free space first"), False),
+        (E.FileAccessError("fix the permissions first"), False),
+        (E.StorageIOError("the disk failed"), True),
         (E.UploadTransientError("the Hub had a hiccup"), True),
+        # Transient OS errors: a retry a second later may get past them.
         (ConnectionResetError("peer reset"), True),
-        (OSError(5, "EIO"), True),
+        (TimeoutError(), True),
+        *[(OSError(code, os.strerror(code), "/data/x"), True) for code in (
+            errno.EIO, errno.ENXIO, errno.ESTALE, errno.EAGAIN, errno.EINTR, errno.EBUSY, errno.ETIMEDOUT,
+            errno.ECONNRESET, errno.ECONNABORTED)],
+        # Refusals that wait for a person, and OS errors users do not meet (bugs): never retried.
+        *[(OSError(code, os.strerror(code), "/data/x"), False) for code in (
+            errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT,
+            errno.EINVAL, errno.EISDIR, errno.EBADF)],
+        (FileNotFoundError("no such file"), False),
+        # Bugs: a second run of the same code fails the same way.
+        (TypeError("unsupported operand"), False),
+        (KeyError("weight"), False),
+        (AssertionError(), False),
+        (ValueError("bad value"), False),
+        (RuntimeError("CUDA out of memory"), False),
     ],
+    ids=lambda v: v if isinstance(v, bool) else f"{type(v).__name__}-{getattr(v, 'errno', None)}",
 )
-def test_the_retry_policy_reads_the_retryable_flag(exc: BaseException, retry: bool) -> None:
+def test_the_retry_policy_retries_only_what_may_heal(exc: BaseException, retry: bool) -> None:
     assert E.is_retryable(exc) is retry
     assert tasks_package.retry_transient(None, None, _State(exc)) is retry
+
+
+def _count_attempts(tmp_path: Path, raises: BaseException, succeed_on: int | None = None) -> tuple[int, object]:
+    """Run a task with the file tasks' retry options (no delay) in a real flow; (attempts, result or the exception)."""
+    from prefect import flow, task
+
+    attempts = tmp_path / "attempts"
+
+    @task(**{**tasks_package.RETRY_IO, "retry_delay_seconds": 0})
+    def flaky() -> str:
+        with attempts.open("a") as log:  # the count lives in a file: nothing in the process could fake it
+            log.write("x")
+        if succeed_on is not None and attempts.stat().st_size >= succeed_on:
+            return "done"
+        raise raises
+
+    @flow(name="retry-policy-check")
+    def run_it() -> object:
+        state = flaky(return_state=True)
+        return state.result(raise_on_failure=False)
+
+    outcome = run_it()
+    return attempts.stat().st_size, outcome
+
+
+@pytest.mark.parametrize("bug", [TypeError("unsupported operand"), KeyError("weight"), AssertionError("invariant")],
+                         ids=lambda e: type(e).__name__)
+def test_a_task_that_hits_a_bug_runs_exactly_once(bug: BaseException, tmp_path: Path, prefect_api: object) -> None:
+    attempts, outcome = _count_attempts(tmp_path, bug)
+    assert attempts == 1 and type(outcome) is type(bug)
+    assert tasks_package.RETRY_IO["retries"] == 2  # retries were on offer: the condition refused them
+
+
+@pytest.mark.parametrize("exc", [OSError(errno.EIO, "Input/output error", "/data/x"), OSError(errno.EAGAIN, "again"),
+                                 ConnectionResetError("peer reset"), E.StorageIOError("the disk failed")],
+                         ids=lambda e: f"{type(e).__name__}-{getattr(e, 'errno', None)}")
+def test_a_task_that_meets_a_transient_error_is_retried(exc: OSError, tmp_path: Path, prefect_api: object) -> None:
+    attempts, outcome = _count_attempts(tmp_path, exc)
+    assert attempts == 1 + tasks_package.RETRY_IO["retries"] and isinstance(outcome, OSError)
+    healed = tmp_path / "healed"
+    healed.mkdir()
+    assert _count_attempts(healed, exc, succeed_on=2) == (2, "done")  # the retry's result is the task's
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EACCES, errno.ENOENT])
+def test_a_task_refused_by_the_os_runs_once(code: int, tmp_path: Path, prefect_api: object) -> None:
+    attempts, outcome = _count_attempts(tmp_path, OSError(code, os.strerror(code), "/data/x"))
+    assert attempts == 1 and isinstance(outcome, OSError) and outcome.errno == code
+
+
+@pytest.mark.parametrize("code,error", [(errno.ENOSPC, "DiskFullError"), (errno.EACCES, "FileAccessError"),
+                                        (errno.EROFS, "FileAccessError"), (errno.EIO, "StorageIOError")])
+def test_typed_os_errors_keep_errno_and_file_names_through_pickling(code: int, error: str) -> None:
+    from mergeflow.io.os_errors import typed_os_error
+
+    typed = typed_os_error(OSError(code, os.strerror(code), "/data/a", None, "/data/b"), "renaming")
+    assert type(typed).__name__ == error and isinstance(typed, OSError)
+    again = pickle.loads(pickle.dumps(typed))  # as Prefect stores a failed task's exception
+    for exc in (typed, again):
+        assert (exc.errno, exc.filename, exc.filename2) == (code, "/data/a", "/data/b")
+        assert str(exc) == str(typed) and "\n" not in str(exc) and "/data/a -> /data/b" in str(exc)
+    assert typed_os_error(typed) is typed  # an OSError now, yet never typed twice
+
+
+def test_a_lock_that_cannot_be_made_beside_an_existing_target_is_still_named(tmp_path: Path) -> None:
+    # clear_publish_leftovers catches OSErrors (an export holds the lock); FileAccessError became one,
+    # and must still say why no lock file can be made there.
+    from mergeflow.io.paths import lock_path_for
+    from mergeflow.io.staging import check_target
+
+    target = tmp_path / "published"
+    target.mkdir()
+    lock_path_for(target).mkdir()  # os.open(O_CREAT) of a directory: EISDIR, even for root
+    with pytest.raises(E.FileAccessError, match="cannot create files in") as refused:
+        check_target(target)
+    assert refused.value.errno == errno.EISDIR and os.fspath(refused.value.filename) == str(lock_path_for(target))
 
 
 @pytest.mark.parametrize("code,error,words", [

@@ -31,6 +31,10 @@ def test_names_carry_the_training_run_and_step(tmp_path: Path) -> None:
     assert export_label("/work/nan-out", "/t/somewhere/actor") == "work-nan-out"
     assert export_label(None) == "artifact"
     assert export_label("/exports/global_step_5") == "exports-step5"
+    # The source's run and step win over the target's: myrun's step 7, not a run called "exports".
+    assert export_label("exports/global_step_7", "myrun/global_step_7/actor") == "myrun-step7"
+    assert export_label("/exports/run-a/global_step_100", "/t/run-b/global_step_100") == "run-b-step100"
+    assert export_label("/exports/run-a/global_step_100", "/t/somewhere/actor") == "run-a-step100"  # else the target's
     # Names are what artifact keys accept: the label survives artifact_key unchanged.
     for label in ("run-a-step100", "work-nan-out", slug("Ünïcode run.v2 / x")):
         assert artifact_key("merge-manifest", label) == f"merge-manifest-{label}"
@@ -62,22 +66,26 @@ def _artifact(key: str, flow_run_id: Any) -> Any:
 def test_merge_run_name_logs_and_summary_through_the_client(tmp_path: Path, prefect_api: object,
                                                             pristine_flux_w2: Any) -> None:
     ex = pristine_flux_w2
-    target = tmp_path / "exports" / "run-ui" / "global_step_7"
+    # The example: local_dir=<run>/global_step_7/actor, target_dir=exports/global_step_7. The
+    # run is named after the source's training run and step, not "merge-exports-step7".
+    actor = tmp_path / "run-ui" / "global_step_7" / "actor"
+    shutil.copytree(ex.actor_dir, actor, symlinks=True)
+    target = tmp_path / "exports" / "global_step_7"
     target.parent.mkdir(parents=True)
-    result = merge_model(ex.config(target))
+    result = merge_model(ex.config(target, local_dir=str(actor)))
     run = latest_flow_run("merge-run-ui-step7")
     assert run.name == "merge-run-ui-step7" and run.state.is_completed()
 
     messages = flow_run_logs(run.id, "Published")
     start = next(m for m in messages if m.startswith("Merging "))
-    assert str(ex.actor_dir) in start and str(ex.base_dir) in start and str(target) in start and "format transformer" in start
+    assert str(actor) in start and str(ex.base_dir) in start and str(target) in start and "format transformer" in start
     files = sorted(p for p in target.rglob("*") if p.is_file())
     end = next(m for m in messages if m.startswith("Published "))
     assert end.startswith(f"Published {result.output_dir}: {len(files)} files, {sum(p.stat().st_size for p in files)} bytes in ")
     assert end.endswith(" s")
 
     summary = _artifact("merge-summary-run-ui-step7", run.id).data
-    assert f"| source | `{ex.actor_dir}` |" in summary and f"| base model | `{ex.base_dir}` |" in summary
+    assert f"| source | `{actor}` |" in summary and f"| base model | `{ex.base_dir}` |" in summary
     for layer in ("structure", "source_round_trip", "artifact_round_trip", "integrity", "runtime"):
         assert f"| {layer} |" in summary
     assert "| runtime | not_run | loading and running the model; `not_run` means" in summary

@@ -18,7 +18,7 @@ from mergeflow.errors import (
     PathSafetyError,
     TargetExistsError,
 )
-from mergeflow.io.os_errors import DISK_FULL, typed_os_error
+from mergeflow.io.os_errors import DISK_FULL, typed_os_error, with_os_fields
 
 # Measured on 2 cores: a 1 MiB buffer (it stays in L2 between read and hash) hashes a few percent
 # faster than 8 MiB, and each update still releases the GIL, so threads hash files in parallel.
@@ -108,9 +108,9 @@ def _cannot_create(path: Path, exc: OSError) -> Exception:
     """The lock is the first file an export creates beside its target: say why that directory cannot take one."""
     if exc.errno in DISK_FULL:
         return typed_os_error(exc, "creating the target's lock file") or exc
-    return FileAccessError(
+    return with_os_fields(FileAccessError(
         f"cannot create files in {path.parent} ({os.strerror(exc.errno or 0)}); choose a --target_dir in a writable "
-        "directory of a regular filesystem (not /proc or /sys)")
+        "directory of a regular filesystem (not /proc or /sys)"), exc)
 
 
 class TargetLock:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
+from typing import TypeVar
 
 from mergeflow.errors import (
     DiskFullError,
@@ -19,8 +20,22 @@ from mergeflow.errors import (
     StorageIOError,
 )
 
+_Typed = TypeVar("_Typed", bound=MergeflowError)
+
 DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 _DENIED = frozenset({errno.EACCES, errno.EPERM})
+# The disk or the network filesystem failed (a bad sector, an unplugged device, an NFS handle gone
+# stale across a server restart): typed as StorageIOError, which a retry may get past.
+_STORAGE_FAILED = frozenset({errno.EIO, errno.ENXIO, errno.ESTALE})
+# Conditions that pass by themselves: a busy resource, an interrupted call, a connection reset or
+# timed out. Not typed for users (they rarely outlast the retries) but retried. A full disk, a
+# permission, a read-only mount or a vanished path is not here: those wait for a person.
+_TRANSIENT = _STORAGE_FAILED | frozenset({
+    errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR, errno.EBUSY, errno.ETIMEDOUT,
+    errno.ECONNRESET, errno.ECONNABORTED,
+})
+# The same conditions raised as OSError subclasses without an errno (`TimeoutError()`, as asyncio does).
+_TRANSIENT_TYPES = (BlockingIOError, InterruptedError, TimeoutError, ConnectionResetError, ConnectionAbortedError)
 
 
 def _where(exc: OSError) -> str:
@@ -31,14 +46,35 @@ def _where(exc: OSError) -> str:
 def name_written_file(exc: OSError, path: os.PathLike[str] | str) -> None:
     """A full disk met by os.write, fsync or sendfile carries no file name: name the file being written,
     so the message says which filesystem to free (not "a file")."""
-    if exc.errno in DISK_FULL and not exc.filename:
+    if exc.errno in DISK_FULL and not exc.filename and not isinstance(exc, MergeflowError):  # typed: named already
         exc.filename = os.fspath(path)
 
 
 def typed_os_error(exc: OSError, doing: str = "") -> MergeflowError | None:
-    """The mergeflow error for `exc` (None for kinds users do not meet: those are bugs)."""
+    """The mergeflow error for `exc` (None for kinds users do not meet: those are bugs), with its errno and file names."""
     if isinstance(exc, MergeflowError):
         return exc
+    typed = _typed(exc, doing)
+    return with_os_fields(typed, exc) if typed is not None else None
+
+
+def with_os_fields(typed: _Typed, exc: OSError) -> _Typed:
+    """`typed`, carrying `exc`'s errno and file names when it is an OSError itself (code reading them still can)."""
+    if isinstance(typed, OSError):
+        typed.errno, typed.filename, typed.filename2 = exc.errno, exc.filename, exc.filename2
+    return typed
+
+
+def is_transient(exc: OSError) -> bool:
+    """Whether another attempt may get past `exc`: a typed error says so itself (a failing disk yes,
+    a full disk or a permission no); otherwise only a condition that passes by itself (`_TRANSIENT`)."""
+    typed = typed_os_error(exc)
+    if typed is not None:
+        return typed.retryable
+    return exc.errno in _TRANSIENT or (exc.errno is None and isinstance(exc, _TRANSIENT_TYPES))
+
+
+def _typed(exc: OSError, doing: str) -> MergeflowError | None:
     where, what = _where(exc), f" while {doing}" if doing else ""
     reason = os.strerror(exc.errno) if exc.errno else str(exc)
     if exc.errno in DISK_FULL:
@@ -56,7 +92,7 @@ def typed_os_error(exc: OSError, doing: str = "") -> MergeflowError | None:
         return FileAccessError(f"read-only filesystem{what}: {where}; choose a target on a writable filesystem")
     if exc.errno == errno.ENOENT:
         return InputChangedError(f"{where} vanished{what} (removed or unmounted meanwhile); restore it and rerun")
-    if exc.errno in (errno.EIO, errno.ENXIO, errno.ESTALE):
+    if exc.errno in _STORAGE_FAILED:
         return StorageIOError(f"{reason}{what} ({where}): the disk or network filesystem failed; rerun once it is healthy")
     return None
 

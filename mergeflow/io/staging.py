@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from mergeflow.errors import ConcurrentExportError, MergeflowError, TargetExistsError, UsageError
+from mergeflow.errors import ConcurrentExportError, FileAccessError, MergeflowError, TargetExistsError, UsageError
 from mergeflow.io.fs import TargetLock
 from mergeflow.io.jsonfiles import is_partial_write
 from mergeflow.io.paths import STAGING_MARKER, lock_path_for
@@ -186,6 +186,8 @@ def clear_publish_leftovers(target: Path) -> list[str]:
             empty = [p for p in staging_dirs_of(target) if not (p / "artifact").exists()]  # listed under the lock
             for staging in empty:
                 shutil.rmtree(staging)
+    except FileAccessError:
+        raise  # no lock file can be made beside the target: said as before FileAccessError became an OSError
     except (ConcurrentExportError, OSError):
         return []  # a running export (or one of ours in this process) owns them
     return [str(p) for p in empty] + ([str(lock)] if had_lock else [])
