@@ -77,7 +77,6 @@ def add_ops_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     staging.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
-@contextmanager
 def add_backfill_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Register `backfill` on the main parser's subcommands."""
     parser = sub.add_parser(
@@ -107,6 +106,7 @@ def backfill_settings(args: argparse.Namespace) -> BackfillSettings:
                             allow_unchanged=args.allow_unchanged, stable_seconds=args.stable_seconds)
 
 
+@contextmanager
 def _stop_on_signals() -> Iterator[threading.Event]:
     """SIGINT/SIGTERM end the watcher cleanly, so it can report what it emitted."""
     stop = threading.Event()
