@@ -1,5 +1,5 @@
 """A Prefect server for a benchmark run: the caller's PREFECT_API_URL, or mergeflow's own local
-server (flows/local_server.py) under a temporary PREFECT_HOME, stopped at the end."""
+server (mergeflow/ops/local_server.py) under a temporary PREFECT_HOME, stopped at the end."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def prefect_api() -> Iterator[dict[str, str]]:
     if os.environ.get("PREFECT_API_URL"):
         yield {"PREFECT_API_URL": os.environ["PREFECT_API_URL"]}
         return
-    from mergeflow.flows.local_server import start_local_server, stop_local_server
+    from mergeflow.ops.local_server import start_local_server, stop_local_server
 
     home = Path(tempfile.mkdtemp(prefix="bench-prefect-"))
     try:

@@ -24,13 +24,13 @@ from mergeflow.config import (
     TaskRunner,
 )
 from mergeflow.errors import UsageError
-from mergeflow.flows.backfill import BackfillSettings, backfill, summary
 from mergeflow.flows.merge import merge_flow
 from mergeflow.flows.run_names import slug
 from mergeflow.flows.runners import make_task_runner
-from mergeflow.flows.watch import find_checkpoints
 from mergeflow.io.confinement import Confinement
 from mergeflow.io.jsonfiles import JsonObject
+from mergeflow.ops.backfill import BackfillSettings, backfill, summary
+from mergeflow.ops.watch import find_checkpoints
 
 
 def backfill_run_name() -> str:

@@ -9,7 +9,6 @@ so optional keys are resolved here, in Python, against the defaults given to `se
 from __future__ import annotations
 
 import contextlib
-import re
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ from mergeflow.flows.serve_settings import format_with_checkpoint
 from mergeflow.formats.verl_checkpoint import step_of
 from mergeflow.io.confinement import Confinement
 from mergeflow.io.jsonfiles import JsonObject
+from mergeflow.ops.step_targets import default_target, plain_name
 
 FORMAT_FIELDS = ("run_name", "step")
 
@@ -51,30 +51,10 @@ def _step_of(checkpoint: JsonObject, actor_dir: Path) -> int | None:
     return step
 
 
-# A name an event gives becomes a directory under the target root: letters, digits, '.', '_', '-' only
-# (no separators, no control characters a terminal or a file manager would act on), bounded length.
-MAX_NAME_LENGTH = 100
-SAFE_NAME = re.compile(rf"[A-Za-z0-9._-]{{1,{MAX_NAME_LENGTH}}}")
-
-
-def _plain_name(value: Any, what: str) -> str:
-    name = value if isinstance(value, str) else ""
-    if not SAFE_NAME.fullmatch(name) or name in (".", ".."):
-        raise UsageError(f"the event's {what} {value!r} cannot name a directory; use a plain name: 1-{MAX_NAME_LENGTH} "
-                         "letters, digits, '.', '_' or '-' (not '.' or '..')")
-    return name
-
-
 def _absolute(value: Any, what: str) -> str:
     if not isinstance(value, str) or not Path(value).is_absolute():
         raise UsageError(f"the event's {what} must be an absolute path (the deployment runs elsewhere), not {value!r}")
     return value
-
-
-def default_target(target_root: str, run_name: str, step: int | None, actor_dir: Path) -> Path:
-    """`<target_root>/<run_name>/global_step_<step>` (the checkpoint's own folder name without a step)."""
-    leaf = f"global_step_{step}" if step is not None else _plain_name(actor_dir.parent.name, "checkpoint folder")
-    return Path(target_root) / run_name / leaf
 
 
 def resolve_checkpoint_config(
@@ -101,7 +81,7 @@ def resolve_checkpoint_config(
     actor_dir = Path(_absolute(checkpoint["local_dir"], "local_dir"))
     step = _step_of(checkpoint, actor_dir)
     given = checkpoint.get("run_name")  # only a missing (null) one defaults: "" is refused like any unsafe name
-    run_name = _plain_name(given if given is not None else actor_dir.parent.parent.name or "checkpoints", "run_name")
+    run_name = plain_name(given if given is not None else actor_dir.parent.parent.name or "checkpoints", "run_name")
     local_dir = confinement.checkpoint(str(actor_dir))
     base = checkpoint.get("base_model") or base_model
     if not base:

@@ -23,21 +23,24 @@ from mergeflow.config import (
     ModelMergerConfig,
 )
 from mergeflow.errors import MergeflowError, one_line
-from mergeflow.flows.backfill import StepResult, add_backfill_command
-from mergeflow.flows.interrupts import (
+from mergeflow.flows.interrupts import api_answers
+from mergeflow.flows.ops_cli import (
+    OPS_COMMANDS,
+    add_backfill_command,
+    add_ops_commands,
+    add_task_runner_flags,
+    backfill_settings,
+)
+from mergeflow.io.jsonfiles import JsonObject
+from mergeflow.io.os_errors import typed_os_error
+from mergeflow.ops.backfill import StepResult
+from mergeflow.ops.signals import (
     end_soon,
     exit_status_of,
     first_signal,
     interrupted_line,
     interrupts_stop_the_export,
 )
-from mergeflow.flows.ops_cli import (
-    OPS_COMMANDS,
-    add_ops_commands,
-    add_task_runner_flags,
-)
-from mergeflow.io.jsonfiles import JsonObject
-from mergeflow.io.os_errors import typed_os_error
 
 if TYPE_CHECKING:  # the progress module imports Prefect: only for the annotation
     from mergeflow.flows.progress import FlowRunLinks
@@ -254,7 +257,7 @@ def cmd_merge(args: argparse.Namespace) -> JsonObject:
 
 
 def cmd_backfill(args: argparse.Namespace) -> JsonObject:
-    from mergeflow.flows.backfill import backfill, settings_from, summary
+    from mergeflow.ops.backfill import backfill, summary
 
     def report(step: StepResult) -> None:
         print(step.line(), flush=True)  # one line per step as it finishes; the JSON summary stays the last line
@@ -262,7 +265,7 @@ def cmd_backfill(args: argparse.Namespace) -> JsonObject:
     with _running_flows(announce="backfill"):
         from mergeflow.flows.api import merge_model
 
-        return summary(backfill(settings_from(args), merge_model, report))
+        return summary(backfill(backfill_settings(args), merge_model, report))
 
 
 def cmd_test(args: argparse.Namespace) -> JsonObject:
@@ -303,7 +306,7 @@ def cmd_demo(args: argparse.Namespace) -> JsonObject:
 
 
 def cmd_server(args: argparse.Namespace) -> JsonObject:
-    from mergeflow.flows import local_server
+    from mergeflow.ops import local_server
 
     if args.action == "start":  # explicit: started even where commands would use another API
         from mergeflow.io.os_errors import check_prefect_home
@@ -340,7 +343,7 @@ def _report_failure(exc: BaseException, target_dir: str | None, debug: bool) -> 
     if signum is not None:  # Ctrl-C or SIGTERM, whatever error the stopping workers raised meanwhile
         status = exit_status_of(signum)
         print(interrupted_line(signum, target_dir), file=sys.stderr, flush=True)
-        end_soon(status)
+        end_soon(status, api_answers)
         return status
     if isinstance(exc, OSError) and not isinstance(exc, MergeflowError):
         exc = typed_os_error(exc) or exc  # raised outside a flow (inspect, test, a lock on a full disk)

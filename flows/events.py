@@ -33,7 +33,7 @@ def configured_api_url() -> str:
 
 def _where_serve_listens() -> str:
     """What to set PREFECT_API_URL to: the local background server's API when it runs, else how to find it."""
-    from mergeflow.flows.local_server import healthy, read_state
+    from mergeflow.ops.local_server import healthy, read_state
 
     state = read_state()
     if state is not None and healthy(state.api_url):
@@ -53,7 +53,7 @@ def use_prefect_api(command: str | None = None, *, own_server: bool = True, stre
     (serve, watch, backfill), one line on stderr says which server it is, because a watcher,
     training code and `serve` only meet on the same one.
     """
-    from mergeflow.flows import local_server
+    from mergeflow.ops import local_server
     from mergeflow.io.os_errors import check_prefect_home
 
     # Before any server or Prefect import: an unusable PREFECT_HOME named as such, not as a bad target.

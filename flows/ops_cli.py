@@ -1,4 +1,4 @@
-"""The operations verbs of the command line: serve, watch, staging list|clean."""
+"""The operations verbs of the command line: serve, watch, backfill, staging list|clean."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from mergeflow.config import (
 )
 from mergeflow.errors import ConcurrentExportError
 from mergeflow.io.jsonfiles import JsonObject
+from mergeflow.ops.backfill import BackfillSettings
 
 
 def add_task_runner_flags(parser: argparse.ArgumentParser) -> None:
@@ -76,6 +77,35 @@ def add_ops_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     staging.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
+def add_backfill_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Register `backfill` on the main parser's subcommands."""
+    parser = sub.add_parser(
+        "backfill", help="export every complete global_step_N of a training run that has no artifact yet",
+        description="Export, oldest first, every complete TRAIN_DIR/global_step_N/actor whose target "
+                    "TARGET_ROOT/<run_name>/global_step_N does not exist yet (the layout serve gives watched "
+                    "checkpoints). Published steps are skipped, incomplete ones reported, a kept staging resumed; "
+                    "one line per step, then the JSON summary.")
+    parser.add_argument("train_dir", metavar="TRAIN_DIR", help="verl's output directory (holds global_step_N/)")
+    parser.add_argument("--base_model", "--base-model", dest="base_model", required=True, help="local base model directory")
+    parser.add_argument("--target-root", "--target_root", dest="target_root", required=True,
+                        help="step N is published to TARGET_ROOT/<run_name>/global_step_N")
+    parser.add_argument("--run-name", "--run_name", dest="run_name", help="run name in the targets (default: TRAIN_DIR's name)")
+    parser.add_argument("--output_format", "--output-format", dest="output_format", default=DEFAULT_OUTPUT_FORMAT,
+                        choices=OUTPUT_FORMATS, help="a whole pipeline with the trained transformer, or the transformer alone")
+    parser.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPES, help="dtype of the written weights (preserve: as trained)")
+    parser.add_argument("--allow-unchanged", "--allow_unchanged", dest="allow_unchanged", action="store_true",
+                        help="publish a step even when every tensor equals the base's")
+    parser.add_argument("--stable-seconds", dest="stable_seconds", type=float, default=5.0,
+                        help="a checkpoint must stay unchanged this long to count as complete (as for watch)")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and Prefect's console logs")
+
+
+def backfill_settings(args: argparse.Namespace) -> BackfillSettings:
+    return BackfillSettings(train_dir=args.train_dir, base_model=args.base_model, target_root=args.target_root,
+                            run_name=args.run_name, output_format=args.output_format, dtype=args.dtype,
+                            allow_unchanged=args.allow_unchanged, stable_seconds=args.stable_seconds)
+
+
 @contextmanager
 def _stop_on_signals() -> Iterator[threading.Event]:
     """SIGINT/SIGTERM end the watcher cleanly, so it can report what it emitted."""
@@ -111,7 +141,8 @@ def cmd_serve(args: argparse.Namespace) -> JsonObject:
 
 def cmd_watch(args: argparse.Namespace) -> JsonObject:
     from mergeflow.flows.events import use_prefect_api
-    from mergeflow.flows.watch import training_dir, watch
+    from mergeflow.flows.watch import watch
+    from mergeflow.ops.watch import training_dir
 
     training_dir(args.train_dir)  # a wrong path is refused before any server starts
     use_prefect_api("watch", own_server=False)

@@ -13,14 +13,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from mergeflow.flows.local_server import RECORDER_BATCHING, healthy
+from mergeflow.ops.local_server import RECORDER_BATCHING, healthy
 
 _SERVER_SETTINGS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "PREFECT_SERVER_UI_ENABLED": "false",
     # Faster event persistence than the 5 s default, so tests that read events back wait less.
     "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_FLUSH_INTERVAL": "0.5",
-    # The batching mergeflow's own background server uses (flows/local_server.py says why).
+    # The batching mergeflow's own background server uses (mergeflow/ops/local_server.py says why).
     **RECORDER_BATCHING,
     "PREFECT_LOGGING_LEVEL": "WARNING",
 }
@@ -83,7 +83,7 @@ def free_port() -> int:
 
 
 def _healthy(api_url: str) -> bool:
-    return healthy(api_url, timeout=2)  # the product's own check (flows/local_server.py)
+    return healthy(api_url, timeout=2)  # the product's own check (mergeflow/ops/local_server.py)
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:

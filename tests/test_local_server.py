@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 from builders import Export, clone_export
 
-from mergeflow.flows import local_server
+from mergeflow.ops import local_server
 
 REPO = Path(__file__).resolve().parents[1]
 STARTED = "mergeflow: started a local Prefect server at "

@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from mergeflow.errors import BaseModelError, ConcurrentExportError, EventError, UsageError
+from mergeflow.errors import (
+    BaseModelError,
+    ConcurrentExportError,
+    EventError,
+    UsageError,
+)
 from mergeflow.events import build_checkpoint_event
 from mergeflow.flows.checkpoint import resolve_checkpoint_config
 from mergeflow.flows.cli import main
@@ -226,7 +231,7 @@ def test_staged_file_state_and_staging_id(tmp_path: Path) -> None:
 
 
 def test_verl_tracker_holds_back_a_step_it_has_not_marked_saved(tmp_path: Path) -> None:
-    from mergeflow.flows.watch import inspect_checkpoint
+    from mergeflow.ops.watch import inspect_checkpoint
 
     actor = actor_dir(tmp_path, "run", 20)
     (actor / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": 1}))

@@ -25,7 +25,7 @@ from builders import Export, clone_export
 from test_local_server import newcomer_env
 
 from mergeflow.export.artifact_check import check_artifact
-from mergeflow.flows import local_server
+from mergeflow.ops import local_server
 
 REPO = Path(__file__).resolve().parent.parent
 USES_LOCAL = re.compile(r"^mergeflow: (serve|watch|backfill) uses mergeflow's local background Prefect server at "

@@ -20,7 +20,7 @@ import pytest
 from builders import Export, clone_export
 from test_local_server import LINK, REPO, mergeflow, newcomer_env
 
-from mergeflow.flows import local_server
+from mergeflow.ops import local_server
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")

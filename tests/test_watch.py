@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mergeflow.errors import UsageError
-from mergeflow.flows.watch import (
+from mergeflow.ops.watch import (
     STATE_FILE_NAME,
     CheckpointCandidate,
     CheckpointWatcher,
@@ -229,7 +229,7 @@ def test_stale_rank_file_is_not_emitted_and_is_logged_once(tmp_path: Path, caplo
     actor = write_checkpoint(tmp_path, 7, world_size=2)
     (actor / "model_world_size_4_rank_2.pt").write_bytes(b"old run")
     recorder = Recorder()
-    with caplog.at_level(logging.WARNING, logger="mergeflow.flows.watch"):
+    with caplog.at_level(logging.WARNING, logger="mergeflow.ops.watch"):
         emitted = CheckpointWatcher(tmp_path, recorder, stable_seconds=STABLE, poll_seconds=POLL).run(timeout=5 * STABLE)
     assert emitted == [] and recorder.attempts == 0
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -240,7 +240,7 @@ def test_failed_emit_is_retried_and_recorded_once(tmp_path: Path, caplog: pytest
     write_checkpoint(tmp_path, 1)
     recorder = Recorder(fail_first=1)
     watcher = CheckpointWatcher(tmp_path, recorder, stable_seconds=STABLE, poll_seconds=POLL, retry_seconds=0.3)
-    with caplog.at_level(logging.ERROR, logger="mergeflow.flows.watch"):
+    with caplog.at_level(logging.ERROR, logger="mergeflow.ops.watch"):
         with Running(watcher):
             recorder.wait_for(1)
             time.sleep(3 * STABLE)

@@ -1,0 +1,1 @@
+"""What runs beside the flows, without Prefect: the local server, the watcher, backfill's steps, signals."""
