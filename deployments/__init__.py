@@ -1,5 +1,5 @@
 """`prefect.yaml`: mergeflow's three deployments for `prefect deploy` and workers.
 
-`mergeflow serve` builds the same deployments in code (mergeflow.flows.serve); tests/test_ops.py
+`mergeflow serve` builds the same deployments in code (mergeflow.deployments.serve); tests/test_ops.py
 keeps the two in step.
 """

@@ -31,10 +31,10 @@ from mergeflow.errors import UsageError
 from mergeflow.flows.merge import merge_flow
 from mergeflow.flows.run_names import export_label, slug
 from mergeflow.flows.runners import make_task_runner
-from mergeflow.flows.serve_settings import format_with_checkpoint
 from mergeflow.formats.verl_checkpoint import step_of
 from mergeflow.io.confinement import Confinement
 from mergeflow.io.jsonfiles import JsonObject
+from mergeflow.ops.serve_settings import format_with_checkpoint
 from mergeflow.ops.step_targets import default_target, plain_name
 
 FORMAT_FIELDS = ("run_name", "step")

@@ -9,6 +9,7 @@ import sys
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from mergeflow.config import (
@@ -118,7 +119,21 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
+Command = Callable[[argparse.Namespace], JsonObject]
+
+
+@dataclass(frozen=True)
+class Verbs:
+    """Verbs a layer above adds to this command line (deployments/cli.py: `serve`): their parsers and handlers."""
+
+    add: Callable[[argparse._SubParsersAction], None]  # type: ignore[type-arg]
+    commands: dict[str, Command]
+
+
+NO_VERBS = Verbs(add=lambda sub: None, commands={})
+
+
+def build_parser(more: Verbs = NO_VERBS) -> argparse.ArgumentParser:
     parser = _Parser(prog="mergeflow", description="Export FSDP diffusion checkpoints as verified Diffusers artifacts.",
                      formatter_class=_Help)
     parser.add_argument("--version", action=_Version, help="print the versions and exit")
@@ -182,13 +197,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo = command("demo", "build a tiny checkpoint, export and validate it")
     _flag(demo, "--workdir", help="where to build and keep it (default: $XDG_CACHE_HOME/mergeflow/demo, or MERGEFLOW_CACHE_DIR/demo)")
     _debug(demo)
+    more.add(sub)
     add_ops_commands(sub)
     add_backfill_command(sub)
 
     server = command("server", "the background local Prefect server that commands use without PREFECT_API_URL")
     _flag(server, "action", choices=["status", "start", "stop"], help="what to do with it")
     _debug(server)
-    for each in sub.choices.values():  # serve, watch, staging (flows/ops_cli.py) too
+    for each in sub.choices.values():  # watch, staging, backfill (flows/ops_cli.py) and a layer's verbs too
         each.formatter_class = _Help
     return parser
 
@@ -319,7 +335,7 @@ def cmd_server(args: argparse.Namespace) -> JsonObject:
     return local_server.server_status()
 
 
-COMMANDS: dict[str, Callable[[argparse.Namespace], JsonObject]] = {
+COMMANDS: dict[str, Command] = {
     "merge": cmd_merge,
     "test": cmd_test,
     "inspect": cmd_inspect,
@@ -357,19 +373,19 @@ def _report_failure(exc: BaseException, target_dir: str | None, debug: bool) -> 
     return 1
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, more: Verbs = NO_VERBS) -> int:
     # From the first moment: a Ctrl-C during start-up is one line and 130 like any other.
     with interrupts_stop_the_export():
-        return _run(argv)
+        return _run(argv, more)
 
 
-def _run(argv: list[str] | None) -> int:
-    args = build_parser().parse_args(argv)
+def _run(argv: list[str] | None, more: Verbs) -> int:
+    args = build_parser(more).parse_args(argv)
     debug = bool(getattr(args, "debug", False))
     for name, value in pre_import_environment(debug).items():
         os.environ.setdefault(name, value)
     try:
-        result = COMMANDS[args.command](args)
+        result = {**COMMANDS, **more.commands}[args.command](args)
     except (KeyboardInterrupt, Exception) as exc:  # noqa: BLE001 - every failure ends as one line and a status
         return _report_failure(exc, getattr(args, "target_dir", None), debug)
     sys.stdout.flush()

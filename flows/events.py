@@ -53,8 +53,8 @@ def use_prefect_api(command: str | None = None, *, own_server: bool = True, stre
     (serve, watch, backfill), one line on stderr says which server it is, because a watcher,
     training code and `serve` only meet on the same one.
     """
-    from mergeflow.ops import local_server
     from mergeflow.io.os_errors import check_prefect_home
+    from mergeflow.ops import local_server
 
     # Before any server or Prefect import: an unusable PREFECT_HOME named as such, not as a bad target.
     check_prefect_home(local_server.prefect_home())

@@ -39,7 +39,12 @@ from mergeflow.io.interrupt import request_stop
 from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.io.os_errors import typed_os_error
 from mergeflow.io.prefetch import DigestPrefetch
-from mergeflow.io.staging import check_target, orphans_of, remove_partial_writes, settle_failed_staging
+from mergeflow.io.staging import (
+    check_target,
+    orphans_of,
+    remove_partial_writes,
+    settle_failed_staging,
+)
 from mergeflow.lora.artifact import ADAPTER_DIR
 from mergeflow.records import MergePlan, ShardRecord, TensorLayout
 from mergeflow.tasks.copy_components import copy_components

@@ -3,7 +3,7 @@
 import sys
 
 try:
-    from mergeflow.flows.cli import main
+    from mergeflow.deployments.cli import main
 except KeyboardInterrupt:  # Ctrl-C while Python was still importing: nothing had started
     print("mergeflow: interrupted (SIGINT) while starting; nothing was done", file=sys.stderr)
     raise SystemExit(130) from None

@@ -55,7 +55,7 @@ TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 _PRELOAD = ("torch", "safetensors.torch", "torch.distributed.tensor", "prefect", "prefect.flows", "prefect.flow_engine",
             "prefect.task_engine", "prefect.utilities.visualization", "fastapi.encoders",
-            "mergeflow.flows.cli", "mergeflow.flows.merge", "mergeflow.flows.validate", "mergeflow.flows.progress")
+            "mergeflow.deployments.cli", "mergeflow.flows.merge", "mergeflow.flows.validate", "mergeflow.flows.progress")
 _MESSAGE = 1 << 20
 
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from mergeflow.flows.cli import build_parser, main
+from mergeflow.deployments.cli import build_parser, main
 
 
 def _parsers(parser: argparse.ArgumentParser, name: str = "mergeflow") -> list[tuple[str, argparse.ArgumentParser]]:

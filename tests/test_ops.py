@@ -56,7 +56,7 @@ def render_trigger(parameters: dict[str, object], payload: dict[str, object]) ->
 def test_trigger_passes_the_whole_payload_even_without_optional_keys(tmp_path: Path) -> None:
     from prefect.utilities.schema_tools.hydration import HydrationError
 
-    from mergeflow.flows.serve import TRIGGER_PARAMETERS, checkpoint_trigger
+    from mergeflow.deployments.serve import TRIGGER_PARAMETERS, checkpoint_trigger
 
     _, payload = build_checkpoint_event(actor_dir(tmp_path))
     assert "base_model" not in payload and "target_dir" not in payload
@@ -107,7 +107,7 @@ def test_bad_event_payloads_are_refused(payload: dict[str, object], defaults: di
 def test_serve_refuses_without_an_api_and_with_bad_paths(tmp_path: Path) -> None:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from mergeflow.flows.serve import ServeSettings, serve_deployments
+    from mergeflow.deployments.serve import ServeSettings, serve_deployments
 
     (tmp_path / "base").mkdir()
     (tmp_path / "base" / "config.json").write_text(json.dumps({"_class_name": "FluxTransformer2DModel"}))
@@ -251,7 +251,7 @@ def test_prefect_yaml_entrypoints_and_trigger_match_the_served_ones() -> None:
     import yaml
     from prefect.flows import load_flow_from_entrypoint
 
-    from mergeflow.flows.serve import (
+    from mergeflow.deployments.serve import (
         BACKFILL_DEPLOYMENT,
         MERGE_DEPLOYMENT,
         TRIGGER_NAME,

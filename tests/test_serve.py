@@ -229,7 +229,7 @@ def test_prefect_yaml_deploys_with_prefect_deploy_all(tmp_path: Path, prefect_se
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
 
-    from mergeflow.flows.serve import ServeSettings
+    from mergeflow.deployments.serve import ServeSettings
 
     async def create_pool() -> None:
         async with get_client() as client:

@@ -118,7 +118,7 @@ def test_deployment_forms_are_typed(tmp_path: Path, prefect_api: object) -> None
     from prefect.utilities.callables import parameter_schema
 
     from mergeflow.flows.checkpoint import merge_checkpoint_flow
-    from mergeflow.flows.serve import ServeSettings, build_deployments
+    from mergeflow.deployments.serve import ServeSettings, build_deployments
     from mergeflow.flows.validate import validate_flow
 
     schema = parameter_schema(merge_checkpoint_flow.fn).model_dump()
@@ -166,7 +166,7 @@ def test_the_serve_feed_prints_one_line_per_run_started_and_finished() -> None:
     from prefect.client.schemas.objects import FlowRun
     from prefect.states import Completed, Failed, Pending, Running
 
-    from mergeflow.flows.run_feed import RunFeed, run_lines
+    from mergeflow.deployments.run_feed import RunFeed, run_lines
 
     a = FlowRun(flow_id=uuid4(), name="checkpoint-run-a-step1", state=Pending())
     seen: dict[Any, Any] = {}
@@ -191,8 +191,8 @@ def test_the_serve_feed_follows_a_deployment_run_on_the_server(tmp_path: Path, p
     from prefect.client.orchestration import get_client
     from prefect.states import Completed, Running
 
-    from mergeflow.flows.run_feed import RunFeed
-    from mergeflow.flows.serve import ServeSettings, build_deployments
+    from mergeflow.deployments.run_feed import RunFeed
+    from mergeflow.deployments.serve import ServeSettings, build_deployments
 
     settings = ServeSettings(base_model=str(tmp_path), target_root=str(tmp_path), checkpoint_roots=(str(tmp_path),))
     validate = build_deployments(settings)[1]

@@ -70,10 +70,10 @@ def test_cli_test_passes_without_prefect_or_torch(published: Path) -> None:
 
 
 def test_cli_main_leaves_heavy_modules_unimported(published: Path) -> None:
-    """The console script's entry point (mergeflow.flows.cli:main), checked through sys.modules."""
+    """The console script's entry point (mergeflow.deployments.cli:main), checked through sys.modules."""
     code = (
         "import json, sys\n"
-        "from mergeflow.flows.cli import main\n"
+        "from mergeflow.deployments.cli import main\n"
         f"rc = main(['test', '--backend', 'fsdp', '--test_hf_dir', {str(published)!r}])\n"
         f"print(json.dumps({{'rc': rc, 'heavy': sorted(m for m in {HEAVY!r} if m in sys.modules)}}))\n"
     )

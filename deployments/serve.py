@@ -18,13 +18,13 @@ from __future__ import annotations
 from prefect.deployments.runner import EntrypointType, RunnerDeployment
 from prefect.events import DeploymentEventTrigger
 
+from mergeflow.deployments.run_feed import RunFeed
 from mergeflow.events import EVENT_CHECKPOINT_SAVED, RESOURCE_PREFIX
 from mergeflow.flows.backfill_flow import backfill_flow
 from mergeflow.flows.checkpoint import merge_checkpoint_flow
 from mergeflow.flows.events import reachable_api_url
-from mergeflow.flows.run_feed import RunFeed
-from mergeflow.flows.serve_settings import ServeSettings
 from mergeflow.flows.validate import validate_flow
+from mergeflow.ops.serve_settings import ServeSettings
 
 MERGE_DEPLOYMENT = "on-checkpoint"
 VALIDATE_DEPLOYMENT = "validate"

@@ -1,0 +1,80 @@
+"""The `mergeflow` command line: every verb of mergeflow.flows.cli, plus `serve`, which runs the deployments.
+
+`serve` lives here because it starts this layer's deployments (mergeflow.deployments.serve), and
+imports run one way only, down from deployments to flows: flows.cli cannot import it, so this
+module hands the verb to flows.cli's parser and dispatcher instead. Neither this module nor the
+parser imports Prefect: `mergeflow --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from mergeflow.config import (
+    DEFAULT_DTYPE,
+    DEFAULT_MAX_SHARD_SIZE,
+    DEFAULT_OUTPUT_FORMAT,
+    DEFAULT_WORKERS,
+    DTYPES,
+    OUTPUT_FORMATS,
+)
+from mergeflow.flows import cli
+from mergeflow.flows.ops_cli import add_task_runner_flags
+from mergeflow.io.jsonfiles import JsonObject
+from mergeflow.ops.serve_settings import ServeSettings
+
+
+def add_serve_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Register `serve` on the main parser's subcommands."""
+    serve = sub.add_parser("serve", help="serve the merge (event-triggered), validate and backfill deployments; "
+                                    "prints one line per run started and finished")
+    serve.add_argument("--base_model", "--base-model", dest="base_model", required=True, help="local base model directory")
+    serve.add_argument("--target-root", "--target_root", dest="target_root", required=True,
+                       help="exports go to TARGET_ROOT/<run_name>/global_step_<step>; an event's target_dir must lie below it")
+    serve.add_argument("--checkpoint-root", "--checkpoint_root", dest="checkpoint_roots", action="append", required=True,
+                       metavar="DIR", help="an event's local_dir must lie below DIR (symlinks followed); repeat for several roots")
+    serve.add_argument("--allow-base-model", "--allow_base_model", dest="allowed_base_models", action="append", default=[],
+                       metavar="DIR", help="a base model an event may name besides --base_model; repeat for several")
+    serve.add_argument("--output_format", "--output-format", dest="output_format", default=DEFAULT_OUTPUT_FORMAT, choices=OUTPUT_FORMATS,
+                       help="what each triggered export writes: a whole pipeline, or the transformer alone")
+    serve.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPES, help="dtype of the written weights (preserve: as trained)")
+    serve.add_argument("--max_shard_size", "--max-shard-size", dest="max_shard_size", type=int, default=DEFAULT_MAX_SHARD_SIZE,
+                       help="bytes per output .safetensors file (2147483648 = 2 GiB)")
+    serve.add_argument("--hf_upload_path", "--hf-upload-path", dest="hf_upload_path",
+                       help="ORG/REPO to upload each export to; may use {run_name} and {step}")
+    serve.add_argument("--private", action="store_true", help="create each Hub repo private")
+    serve.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help="parallel shard writers per merge")
+    serve.add_argument("--limit", type=int, default=1, help="merges running at the same time")
+    add_task_runner_flags(serve)
+    serve.add_argument("--debug", action="store_true", help="show tracebacks and Prefect's console logs")
+
+
+def cmd_serve(args: argparse.Namespace) -> JsonObject:
+    from mergeflow.flows.events import use_prefect_api
+
+    settings = ServeSettings(
+        base_model=args.base_model, target_root=args.target_root, output_format=args.output_format, dtype=args.dtype,
+        max_shard_size=args.max_shard_size, hf_upload_path=args.hf_upload_path, private=args.private,
+        workers=args.workers, task_runner=args.task_runner, dask_address=args.dask_address,
+        checkpoint_roots=tuple(args.checkpoint_roots), allowed_base_models=tuple(args.allowed_base_models),
+    ).checked()  # merge's pre-flight on serve's settings: what every triggered run would fail on, before any server
+    use_prefect_api("serve")  # before Prefect is imported (the next import): it reads PREFECT_API_URL then
+    from mergeflow.deployments.serve import serve_deployments, served_names
+
+    try:
+        serve_deployments(settings, limit=args.limit)
+    except KeyboardInterrupt:
+        pass  # the runner has stopped; Ctrl-C is how a served process ends
+    return {"served": served_names(), "stopped": True}
+
+
+SERVE = cli.Verbs(add=add_serve_command, commands={"serve": cmd_serve})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return cli.build_parser(SERVE)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The console script `mergeflow` and `python -m mergeflow`."""
+    return cli.main(argv, SERVE)
