@@ -70,7 +70,8 @@ def build_manifest(
     if set(rank_digests) != set(plan.checkpoint.rank_files):
         raise ArtifactInvalidError("the rank files hashed for the manifest are not the checkpoint's rank files")
     source_files = {name: rank_digests[name] for name in plan.checkpoint.rank_files}  # a DCP's: .metadata + *.distcp
-    source_files.update(source_named(plan.checkpoint.format).marker_digests(Path(plan.checkpoint.actor_dir)))  # fsdp_config.json
+    # the source's marker files (verl: fsdp_config.json), after the hashed ones
+    source_files.update(source_named(plan.checkpoint.format).marker_digests(Path(plan.checkpoint.actor_dir)))
     if plan.lora is not None:
         source_files.update(plan.lora.source_files)  # lora_train_meta.json (and adapter_config.json)
     smc = {"sha256": plan.checkpoint.config_sha256, "logical_path": plan.checkpoint.config_logical_path}
