@@ -36,11 +36,12 @@ def merge_direct(config: Any) -> dict[str, str]:
     from mergeflow.export.plan import build_plan
     from mergeflow.export.publish import finalize_staging, publish_staged
     from mergeflow.export.rank_index import hash_rank_file, index_rank_file
-    from mergeflow.export.reconstruct import RankStates, plan_tensor_writes
+    from mergeflow.export.reconstruct import plan_tensor_writes
     from mergeflow.export.shard_writer import pack_shards, write_shard_file
     from mergeflow.export.staged_check import validate_staged
     from mergeflow.io.fs import TargetLock
     from mergeflow.io.staging import check_target
+    from mergeflow.sources.verl import RankStates
 
     plan = build_plan(config)
     trust = plan.options.trust_checkpoint

@@ -19,6 +19,7 @@ from mergeflow.formats.manifest import MANIFEST_NAME
 from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.lora.artifact import ADAPTER_DIR
 from mergeflow.records import MergePlan
+from mergeflow.sources.registry import source_named
 
 
 def artifact_key(prefix: str, name: str) -> str:
@@ -87,8 +88,8 @@ def validate_command(output_dir: str) -> str:
 
 
 def checkpoint_kind(plan: MergePlan) -> str:
-    """How the summary names the checkpoint's layout: verl's FSDP version, or a DCP (which does not record it)."""
-    return "torch DCP" if plan.checkpoint.format == "dcp" else f"FSDP v{plan.checkpoint.fsdp_version}"
+    """How the summary names the checkpoint's layout (its source says): verl's FSDP version, or a DCP (which does not record it)."""
+    return source_named(plan.checkpoint.format).label(plan.checkpoint)
 
 
 def summary_markdown(plan: MergePlan, manifest: JsonObject, output_dir: str, total_bytes: int) -> str:

@@ -252,14 +252,14 @@ def _running_flows(announce: str | None = None) -> Iterator[FlowRunLinks]:
 
 def cmd_merge(args: argparse.Namespace) -> JsonObject:
     from mergeflow.export.preflight import preflight_merge
-    from mergeflow.formats.checkpoint_dir import file_hasher, format_of
     from mergeflow.io.prefetch import DigestPrefetch
+    from mergeflow.sources.registry import source_for
 
     config = _config_from(args, "merge")
     files = preflight_merge(config)  # refusals that need no tensor data answer before any server or Prefect import
     # The manifest's source-file digests: hashed from now on, on the core the imports leave idle.
     if files:
-        DigestPrefetch.start(files, hasher=file_hasher(format_of(files[0].parent), config.trust_checkpoint))
+        DigestPrefetch.start(files, hasher=source_for(files[0].parent).file_hasher(config.trust_checkpoint))
     with _running_flows():
         from mergeflow.flows.api import merge_model
         from mergeflow.flows.progress import stderr_progress

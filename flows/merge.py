@@ -16,7 +16,6 @@ from prefect.utilities.annotations import opaque
 from mergeflow.architectures.conversions import convert_writes
 from mergeflow.config import ModelMergerConfig
 from mergeflow.errors import MergeflowError, UploadError, one_line
-from mergeflow.export.checkpoint_source import forget as forget_checkpoint
 from mergeflow.export.progress import (
     HASHING,
     INSPECTING,
@@ -47,6 +46,9 @@ from mergeflow.io.staging import (
 )
 from mergeflow.lora.artifact import ADAPTER_DIR
 from mergeflow.records import MergePlan, ShardRecord, TensorLayout
+from mergeflow.sources.base import Indexing
+from mergeflow.sources.registry import forget as forget_checkpoint
+from mergeflow.sources.registry import source_named
 from mergeflow.tasks.copy_components import copy_components
 from mergeflow.tasks.inspect_inputs import inspect_inputs
 from mergeflow.tasks.layouts import combine_rank_layouts, index_dcp
@@ -94,17 +96,20 @@ def rank_digests(plan: MergePlan, futures: list[PrefectFuture[str]]) -> dict[str
 
 
 def load_layouts(plan: MergePlan, progress: RunProgress) -> dict[str, TensorLayout]:
-    """Where every tensor's pieces are: each rank file indexed in parallel, or a DCP's `.metadata` read once."""
-    if plan.checkpoint.format == "dcp":
+    """Where every tensor's pieces are, as the checkpoint's source indexes it: each rank file in parallel (verl),
+    or the checkpoint's own metadata read once (a DCP's `.metadata`)."""
+    source = source_named(plan.checkpoint.format)
+    if source.indexing is Indexing.METADATA:
         future = index_dcp.submit(light_submit(plan))
         progress.counting(LOADING, [future])
         layouts = future.result()
-        get_run_logger().info("Indexed %d tensors in the DCP's %d .distcp files", len(layouts), plan.checkpoint.world_size)
+        get_run_logger().info(source.indexed_note(plan.checkpoint, len(layouts)))
         return layouts
-    rank_futures = [load_rank_shards.submit(light_submit(plan), rank) for rank in range(plan.checkpoint.world_size)]
+    units = source.index_units(plan.checkpoint)
+    rank_futures = [load_rank_shards.submit(light_submit(plan), rank) for rank in range(units)]
     progress.counting(LOADING, rank_futures)  # loading ranks k/W
     indexes = [f.result() for f in rank_futures]
-    get_run_logger().info("Indexed %d rank files of world size %d", len(indexes), plan.checkpoint.world_size)
+    get_run_logger().info(source.indexed_note(plan.checkpoint, len(indexes)))
     return combine_rank_layouts(light(indexes))
 
 

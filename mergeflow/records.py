@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Literal, Union
 
 from mergeflow.config import Dtype
-from mergeflow.formats.checkpoint_dir import CheckpointFormat
 from mergeflow.formats.manifest import VERL_CONFIG_PATH, ArtifactType
 from mergeflow.formats.rank_files import TensorEntry
 from mergeflow.io.fs import FileStamp
@@ -70,7 +69,7 @@ class CheckpointInputs:
     fsdp_version: int  # 0 for a DCP: it does not record which FSDP wrote it
     rank_files: tuple[str, ...]
     config_sha256: str  # the model config, recorded in the manifest
-    format: CheckpointFormat = "verl"
+    format: str = "verl"  # the source kind: mergeflow.sources.registry.source_named(format)
     config_logical_path: str = VERL_CONFIG_PATH  # the manifest's source_model_config.logical_path
 
 

@@ -1,15 +1,13 @@
-"""The tasks that say where every tensor's pieces are: verl's rank indexes combined, or a DCP's `.metadata`."""
+"""The tasks that say where every tensor's pieces are: per-file indexes combined, or the checkpoint's metadata read once."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from mergeflow.export.dcp_source import DcpSources, dcp_layouts
 from mergeflow.export.layout import rank_layouts
 from mergeflow.records import MergePlan, RankIndex, TensorLayout
+from mergeflow.sources.registry import source_named
 from mergeflow.tasks import RETRY_IO
 
 
@@ -21,6 +19,6 @@ def combine_rank_layouts(indexes: list[RankIndex]) -> dict[str, TensorLayout]:
 
 @task(name="index-dcp", task_run_name="index-dcp-metadata", **RETRY_IO, cache_policy=NO_CACHE)
 def index_dcp(plan: MergePlan) -> dict[str, TensorLayout]:
-    """Read a DCP's `.metadata` safely: every tensor's chunks, checked to tile it and to lie inside their files."""
-    directory = Path(plan.checkpoint.actor_dir)
-    return dcp_layouts(DcpSources.chunks(directory, trust_checkpoint=plan.options.trust_checkpoint).checkpoint)
+    """Indexing.METADATA (a DCP's `.metadata`, read safely): every tensor's chunks, checked to tile it and to lie
+    inside their files."""
+    return source_named(plan.checkpoint.format).read_layouts(plan.checkpoint, trust_checkpoint=plan.options.trust_checkpoint)

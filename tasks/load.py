@@ -9,10 +9,10 @@ from typing import Any
 
 from prefect import task
 
-from mergeflow.export.rank_index import hash_rank_file, index_rank_file
-from mergeflow.formats.checkpoint_dir import file_hasher
+from mergeflow.export.rank_index import hash_rank_file
 from mergeflow.io.fs import FileStamp
 from mergeflow.records import MergePlan, RankIndex
+from mergeflow.sources.registry import file_hasher, source_named
 from mergeflow.tasks import RETRY_IO
 
 
@@ -32,10 +32,8 @@ def _rank_cache_key(context: Any, parameters: Mapping[str, Any]) -> str:
     persist_result=True,
 )
 def load_rank_shards(plan: MergePlan, rank: int) -> RankIndex:
-    """Open one rank file safely and record its tensors' layout."""
-    return index_rank_file(
-        Path(plan.checkpoint.actor_dir), plan.checkpoint.rank_files[rank], rank, trust_checkpoint=plan.options.trust_checkpoint
-    )
+    """Open one rank file safely and record its tensors' layout (Indexing.PER_FILE)."""
+    return source_named(plan.checkpoint.format).index_file(plan.checkpoint, rank, trust_checkpoint=plan.options.trust_checkpoint)
 
 
 @task(

@@ -9,10 +9,10 @@ from typing import Any
 
 from prefect import task
 
-from mergeflow.export.checkpoint_source import open_pieces
 from mergeflow.export.shard_writer import write_shard_file
 from mergeflow.io.staging import staged_file_state, staging_id
 from mergeflow.records import MergePlan, ShardPlan, ShardRecord
+from mergeflow.sources.registry import open_pieces
 from mergeflow.tasks import RETRY_IO
 
 

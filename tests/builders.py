@@ -141,10 +141,10 @@ def plain_export(config: ModelMergerConfig, run: PlainRun | None = None) -> dict
     """
     from mergeflow.errors import MergeflowError
     from mergeflow.export.plan import build_plan
-    from mergeflow.export.reconstruct import RankStates
     from mergeflow.io.fs import TargetLock
     from mergeflow.io.prefetch import DigestPrefetch
     from mergeflow.io.staging import settle_failed_staging
+    from mergeflow.sources.verl import RankStates
 
     run = run if run is not None else PlainRun()
     actor_dir = Path(config.local_dir or "").expanduser().resolve()

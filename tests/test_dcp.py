@@ -18,8 +18,8 @@ from builders import assert_bit_exact, output_state
 import mergeflow.errors as E
 from mergeflow import validate_artifact
 from mergeflow.demo.checkpoints import build_transformer, save_base_transformer
-from mergeflow.export import dcp_source
 from mergeflow.formats import dcp
+from mergeflow.sources import dcp as dcp_source
 from tests.fixtures.dcp_writers import DcpCheckpoint, write_dcp_checkpoint
 
 

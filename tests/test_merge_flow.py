@@ -16,7 +16,7 @@ from prefect_runs import latest_flow_run
 from mergeflow import merge_model, validate_artifact
 from mergeflow.demo.checkpoints import run_tiny_forward
 from mergeflow.errors import ArtifactInvalidError
-from mergeflow.export.reconstruct import RankStates
+from mergeflow.sources.verl import RankStates
 
 CLASSES = [
     "FluxTransformer2DModel",

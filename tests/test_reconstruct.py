@@ -12,9 +12,10 @@ from torch import nn
 from mergeflow.demo.checkpoints import save_fsdp_checkpoint
 from mergeflow.export.layout import chunk_sizes, plan_layouts
 from mergeflow.export.rank_index import index_rank_file
-from mergeflow.export.reconstruct import RankStates, all_finite
+from mergeflow.export.reconstruct import all_finite
 from mergeflow.export.shard_writer import pack_shards, write_shard_file
 from mergeflow.records import TensorWrite
+from mergeflow.sources.verl import RankStates
 
 
 class Odd(nn.Module):

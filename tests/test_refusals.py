@@ -426,7 +426,7 @@ def test_unsafe_loader_rejects_but_trust_allows_a_harmless_custom_object(ex1: Ex
 
 def test_a_trusted_parse_is_never_reused_without_trust(ex1: Export) -> None:
     """Parsed rank files are shared within a process (RankStates); one that needed --trust-checkpoint is not."""
-    from mergeflow.export.reconstruct import RankStates
+    from mergeflow.sources.verl import RankStates
 
     _edit_plain(ex1, lambda s: s.update({"meta": pickle.loads(pickle.dumps(_Harmless()))}))
     names = ("model_world_size_1_rank_0.pt",)

@@ -22,10 +22,11 @@ from mergeflow.export import artifact_check
 from mergeflow.export import shard_writer as write
 from mergeflow.export.layout import plan_layouts
 from mergeflow.export.rank_index import hash_rank_file, index_rank_file
-from mergeflow.export.reconstruct import RankStates, same_bytes
+from mergeflow.export.reconstruct import same_bytes
 from mergeflow.io.fs import FileStamp
 from mergeflow.io.streamio import BackgroundFlush, HashingWriter
 from mergeflow.records import ShardPlan, TensorWrite, VerifiedFile
+from mergeflow.sources.verl import RankStates
 
 WORLD = 3
 

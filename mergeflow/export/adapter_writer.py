@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from mergeflow.export.checkpoint_source import open_pieces
 from mergeflow.export.lora_detect import adapter_weights_name
 from mergeflow.export.publish import build_manifest
 from mergeflow.export.reconstruct import output_dtype
@@ -32,6 +31,7 @@ from mergeflow.records import (
     TensorLayout,
     TensorWrite,
 )
+from mergeflow.sources.registry import open_pieces
 
 
 def adapter_dir(plan: MergePlan) -> Path:

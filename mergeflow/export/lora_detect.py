@@ -12,7 +12,6 @@ from mergeflow.architectures.registry import BaseLayout, adapter_of, detect_base
 from mergeflow.architectures.schema import model_schema, read_model_config
 from mergeflow.config import ModelMergerConfig
 from mergeflow.errors import BaseModelError, CheckpointError, LoraError, UsageError
-from mergeflow.export.checkpoint_source import OpenedCheckpoint
 from mergeflow.export.targets import TargetSchema, diffusers_schema
 from mergeflow.formats.verl_checkpoint import LORA_META
 from mergeflow.formats.weight_index import read_weight_map
@@ -31,6 +30,7 @@ from mergeflow.lora.export import DIFFUSERS_LORA_WEIGHTS_NAME, PEFT_ADAPTER_WEIG
 from mergeflow.lora.keys import LoraLayout, classify, group_adapters, require_adapter
 from mergeflow.lora.plan import FULL_STATE, LORA_ONLY, LoraSpec, base_model_reference
 from mergeflow.records import BaseInputs
+from mergeflow.sources.base import OpenedCheckpoint
 
 
 def adapter_weights_name(adapter_format: str) -> str:
@@ -102,7 +102,7 @@ def detect_lora(config: ModelMergerConfig, checkpoint: OpenedCheckpoint) -> Lora
     if layout is LoraLayout.NONE:
         raise LoraError(f"{LORA_META} says this is a LoRA run, but the rank files hold no LoRA keys ('lora_' in "
                         "the name); the rank files or the metadata belong to another run")
-    if not has_meta and checkpoint.format == "verl":
+    if not has_meta and checkpoint.source.requires_lora_meta:
         raise LoraError(f"the rank files hold LoRA adapters but {LORA_META} is missing, so r and lora_alpha are "
                         "unknown; copy it from the training run's actor directory")
     if not has_meta and _adapter_config_file(config, actor)[0] is None:

@@ -19,11 +19,6 @@ from mergeflow.architectures.schema import (
 )
 from mergeflow.config import ModelMergerConfig
 from mergeflow.errors import BaseModelError, MergeflowError
-from mergeflow.export.checkpoint_source import (
-    ModelConfigSource,
-    model_config_source,
-    open_checkpoint,
-)
 from mergeflow.export.lora_detect import (
     adapter_target,
     detect_lora,
@@ -33,7 +28,6 @@ from mergeflow.export.lora_detect import (
 )
 from mergeflow.export.preflight import check_output_format, resolve_inputs
 from mergeflow.export.targets import TargetSchema, pipeline_target, transformer_target
-from mergeflow.formats.checkpoint_dir import file_hasher, require_local_dir
 from mergeflow.formats.manifest import fingerprint
 from mergeflow.io.confinement import check_export_links
 from mergeflow.io.fs import FileStamp, sha256_file
@@ -47,6 +41,13 @@ from mergeflow.records import (
     ExportOptions,
     MergePlan,
     OutputTarget,
+)
+from mergeflow.sources.base import ModelConfigSource
+from mergeflow.sources.registry import (
+    file_hasher,
+    model_config_source,
+    open_checkpoint,
+    require_local_dir,
 )
 
 # Options that do not change a byte of the artifact stay out of the fingerprint, so changing

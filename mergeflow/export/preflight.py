@@ -24,17 +24,13 @@ from mergeflow.errors import (
     SchemaMismatchError,
     UsageError,
 )
-from mergeflow.formats.checkpoint_dir import format_of, listed_files, require_local_dir
 from mergeflow.formats.dcp_layout import NO_MODEL_CONFIG
-from mergeflow.formats.verl_checkpoint import (
-    LORA_META,
-    rank_file_names,
-    read_fsdp_config,
-)
+from mergeflow.formats.verl_checkpoint import LORA_META
 from mergeflow.io.jsonfiles import JsonObject, read_json_strict
 from mergeflow.io.os_errors import check_target_parent
 from mergeflow.io.paths import check_no_overlap
 from mergeflow.io.staging import check_target
+from mergeflow.sources.registry import require_local_dir, source_for
 
 CHECKPOINT_CONFIG = "huggingface/config.json of the checkpoint"
 
@@ -93,18 +89,7 @@ def preflight_merge(config: ModelMergerConfig) -> list[Path]:
     from mergeflow.io.confinement import check_export_links  # links out of the inputs: refused before any read
 
     check_export_links(config.local_dir, config.base_model, config.hf_model_config_path)
-    if format_of(actor) == "dcp":
-        _preflight_dcp(config, actor)
-        return listed_files(actor)
-    fsdp = read_fsdp_config(actor)
-    rank_files = [actor / name for name in rank_file_names(actor, fsdp.world_size)]
-    has_meta = (actor / LORA_META).is_file()
-    _check_lora_flags(config, has_meta)
-    if has_meta and not config.fuse_lora:
-        _preflight_maybe_adapter(config, actor)
-    else:
-        _preflight_with_base(config)
-    return rank_files
+    return source_for(actor).preflight(config, actor)  # its own checks, from the shared ones below
 
 
 def _check_lora_flag_values(config: ModelMergerConfig) -> None:

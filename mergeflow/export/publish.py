@@ -24,6 +24,7 @@ from mergeflow.records import (
     ShardRecord,
     ValidationReport,
 )
+from mergeflow.sources.registry import source_named
 
 LAYERS_PASSED = {"structure": "passed", "source_round_trip": "passed", "artifact_round_trip": "passed",
                  "integrity": "passed", "runtime": "not_run"}
@@ -69,8 +70,8 @@ def build_manifest(
     if set(rank_digests) != set(plan.checkpoint.rank_files):
         raise ArtifactInvalidError("the rank files hashed for the manifest are not the checkpoint's rank files")
     source_files = {name: rank_digests[name] for name in plan.checkpoint.rank_files}  # a DCP's: .metadata + *.distcp
-    if plan.checkpoint.format == "verl":
-        source_files["fsdp_config.json"] = sha256_file(Path(plan.checkpoint.actor_dir) / "fsdp_config.json")
+    # the source's marker files (verl: fsdp_config.json), after the hashed ones
+    source_files.update(source_named(plan.checkpoint.format).marker_digests(Path(plan.checkpoint.actor_dir)))
     if plan.lora is not None:
         source_files.update(plan.lora.source_files)  # lora_train_meta.json (and adapter_config.json)
     smc = {"sha256": plan.checkpoint.config_sha256, "logical_path": plan.checkpoint.config_logical_path}
@@ -104,10 +105,8 @@ def build_manifest(
 
 
 def checkpoint_record(plan: MergePlan) -> JsonObject:
-    """The manifest's `checkpoint`: the world size, and FSDP's version (verl) or the DCP layout."""
-    if plan.checkpoint.format == "dcp":  # a DCP does not record which FSDP wrote it
-        return {"layout": "dcp", "world_size": plan.checkpoint.world_size}
-    return {"world_size": plan.checkpoint.world_size, "fsdp_version": plan.checkpoint.fsdp_version}
+    """The manifest's `checkpoint`: the world size, and FSDP's version (verl) or the DCP layout: its source's record."""
+    return source_named(plan.checkpoint.format).checkpoint_record(plan.checkpoint)
 
 
 def finalize_staging(plan: MergePlan, output: OutputPlan, rank_digests: dict[str, str], shards: list[ShardRecord],

@@ -6,12 +6,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mergeflow.errors import CheckpointError, InputChangedError
-from mergeflow.export.reconstruct import RankStates
 from mergeflow.formats.rank_files import describe_state
 from mergeflow.formats.zip_records import sha256_and_check_records
 from mergeflow.io.fs import FileStamp
 from mergeflow.io.prefetch import DigestPrefetch
 from mergeflow.records import RankIndex
+from mergeflow.sources.verl import RankStates
 
 
 def index_rank_file(actor_dir: Path, file_name: str, rank: int, *, trust_checkpoint: bool = False) -> RankIndex:
@@ -31,7 +31,7 @@ def hash_rank_file(actor_dir: Path, file_name: str, planned: FileStamp | None = 
     """sha256 of one checkpoint file; for a verl rank file every record is checked against its CRC-32 in the same pass.
 
     Refused if the file is damaged, is not the one inspect planned, or changes meanwhile.
-    `hasher` is the checkpoint format's (mergeflow.export.checkpoint_source.file_hasher).
+    `hasher` is the checkpoint source's (mergeflow.sources.base.CheckpointSource.file_hasher).
     """
     path = actor_dir / file_name
     before = FileStamp.of(path)

@@ -5,65 +5,19 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 import torch
 
 from mergeflow.architectures.schema import is_kept_in_fp32
 from mergeflow.errors import CastError, CheckpointError, SchemaMismatchError
-from mergeflow.formats.rank_files import load_rank_state, local_tensor
-from mergeflow.formats.rank_pickle import StateDict
 from mergeflow.formats.safetensors_format import torch_dtype
-from mergeflow.io.fs import FileStamp
-from mergeflow.io.stamped_cache import StampedCache
 from mergeflow.records import MergePlan, TensorLayout, TensorWrite
+from mergeflow.sources.base import PieceSource  # the piece reader: verl's RankStates, a DCP's chunks
 
 FLOATING = {"float64", "float32", "float16", "bfloat16"}
 _CHECK_ELEMENTS = 1 << 24  # finiteness is checked in slices so no full-size temporary exists
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-class PieceSource(Protocol):
-    """Where a layout's pieces are read: `local(r, key)` is piece r of `key` (chunk_ranks name r).
-
-    verl's rank files (RankStates: r is a rank) and a torch DCP (DcpChunks: r is a chunk) both
-    answer it, so reconstruction and round-trip verification are one path for both.
-    """
-
-    def local(self, rank: int, key: str) -> torch.Tensor: ...
-
-
-class RankStates:
-    """The rank files of one checkpoint, opened with mmap (no private memory) and shared."""
-
-    _cache: StampedCache[StateDict] = StampedCache(capacity=64)
-
-    def __init__(self, actor_dir: Path, rank_files: tuple[str, ...], *, trust_checkpoint: bool = False) -> None:
-        self.paths = [actor_dir / name for name in rank_files]
-        self.trust = trust_checkpoint
-
-    def state(self, rank: int) -> StateDict:
-        path = self.paths[rank]
-        return self._cache.get_or_load((str(path), FileStamp.of(path), self.trust),
-                                       lambda: load_rank_state(path, trust_checkpoint=self.trust))
-
-    @classmethod
-    def forget(cls, actor_dir: Path) -> None:
-        """Drop the parsed states of one checkpoint once its export is over.
-
-        A long-running process (`mergeflow serve`) would otherwise keep old checkpoints
-        mapped, and the disk space of checkpoints that training deletes is only freed
-        when the last mapping goes.
-        """
-        cls._cache.forget(lambda path: str(Path(path).parent) == str(actor_dir))
-
-    def local(self, rank: int, key: str) -> torch.Tensor:
-        try:
-            return local_tensor(self.state(rank)[key])
-        except KeyError:
-            raise CheckpointError(f"rank file {self.paths[rank].name} no longer holds {key}; was it rewritten?") from None
 
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:

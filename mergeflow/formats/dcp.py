@@ -8,7 +8,7 @@ bytes are: (relative file, byte offset, length). The default writer stores each 
 (`weights_only=True`) on exactly that range, never by full unpickling.
 
 A DCP becomes a second source of rank pieces: every key's chunks tile it along at most one dimension
-(checked here), mergeflow/export/dcp_source.py turns that into a `TensorLayout` whose "ranks" are
+(checked here), mergeflow/sources/dcp.py turns that into a `TensorLayout` whose "ranks" are
 the chunks, and `DcpChunks.local(chunk, key)` plays the part of `RankStates.local(rank, key)`, so
 reconstruct's one path (verified_chunks -> global_pieces -> verify_round_trip) assembles both.
 """
