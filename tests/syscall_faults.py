@@ -18,8 +18,8 @@ change nothing else:
 
 `within=TEXT` counts only the writes whose file names contain TEXT (one stage): for a kill, the
 name the file is renamed to; for ENOSPC, the temporary file's name or that of the file its thread
-opened for reading last, the file it is a copy of (the base's files are copied under a hashed
-temporary name, and nothing else in mergeflow opens a file read-only with os.open).
+opened read-only (os.open) last before it: the file it is a copy of (the base's files are copied
+under a hashed temporary name, each opened so just before its copy is written).
 
 In this process: `with FullAtWrite(3): merge_model(...)`. As a command, forked by `forked_cli` like
 any script in tests/ (or started cold where forking is not faithful), through `mergeflow(...)`:
