@@ -11,6 +11,7 @@ from pathlib import Path
 
 import forked_cli
 import pytest
+import syscall_faults
 from builders import tree_digest
 from prefect_server import PrefectServer
 
@@ -124,7 +125,7 @@ def test_a_killed_backfill_resumes_its_staging(tmp_path: Path, pristine_run: Tra
     base_dir = pristine_run.base_dir
     train, out = clone_run(pristine_run, tmp_path, steps=(1, 2), published=(1,))
     target = out / "train" / "global_step_2"
-    killed = forked_cli.mergeflow(backfill_args(base_dir, train, out), {**cli_env, "MERGEFLOW_FAULT_KILL_AT_WRITE": "2"})
+    killed = syscall_faults.mergeflow(["--kill-at-write", "2"], backfill_args(base_dir, train, out), cli_env)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert not target.exists() and len(staging_dirs_of(target)) == 1  # a shard written, then killed
 

@@ -1,8 +1,9 @@
 """kill -9 at every durable write of an export, then a rerun: it resumes and publishes the same bytes.
 
-`MERGEFLOW_FAULT_KILL_AT_WRITE=N` (mergeflow/io/faults.py) kills the command at its Nth durable
-write, after the new bytes are on disk under their temporary name and before the rename. N runs
-from 1 until an export finishes before reaching N, so every write site of this export is hit.
+`syscall_faults.KillAtWrite` kills the command (SIGKILL, from its own process) at its Nth durable
+write: the Nth rename of a file it fsynced, just before that rename, when the new bytes are on disk
+under their temporary name. mergeflow itself carries no hook. N runs from 1 until an export finishes
+before reaching N, so every write site of this export is hit.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import forked_cli
 import pytest
+import syscall_faults
 from builders import Export, clone_export, leftovers, make_export, tree_digest
 
 from mergeflow import merge_model
@@ -21,10 +23,11 @@ from mergeflow import merge_model
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _merge(ex: Export, target: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def _merge(ex: Export, target: Path, env: dict[str, str], fault: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The merge command; with `fault` (syscall_faults' options), under that fault."""
     args = ["merge", "--backend", "fsdp", "--local_dir", str(ex.actor_dir), "--base_model", str(ex.base_dir),
             "--target_dir", str(target), "--output_format", "transformer"]
-    return forked_cli.mergeflow(args, env)
+    return syscall_faults.mergeflow(fault, args, env) if fault else forked_cli.mergeflow(args, env)
 
 
 def test_a_kill_at_every_durable_write_resumes_to_the_same_bytes(tmp_path: Path, prefect_server, prefect_api) -> None:  # type: ignore[no-untyped-def]
@@ -36,7 +39,7 @@ def test_a_kill_at_every_durable_write_resumes_to_the_same_bytes(tmp_path: Path,
     killed = 0
     for n in range(1, 40):
         target = tmp_path / f"out-{n}"
-        proc = _merge(ex, target, {**env, "MERGEFLOW_FAULT_KILL_AT_WRITE": str(n)})
+        proc = _merge(ex, target, env, ["--kill-at-write", str(n)])
         if proc.returncode == 0:  # the export has fewer than n durable writes: every site was hit
             assert tree_digest(target) == want
             break
@@ -49,7 +52,7 @@ def test_a_kill_at_every_durable_write_resumes_to_the_same_bytes(tmp_path: Path,
         assert tree_digest(target) == want, f"the resumed artifact after a kill at write {n} differs"
         assert leftovers(tmp_path, f".{target.name}.") == [], "the resume left staging or a lock behind"
     else:
-        raise AssertionError("the export never finished: the kill hook fired at every count")
+        raise AssertionError("the export never finished: the kill fired at every count")
     assert killed >= 4  # the shard file, its record, config.json, the manifest
     print(f"reliability: kill -9 at {killed} durable write(s), {killed} recovered byte-identical, 0 lost")
 
@@ -73,13 +76,13 @@ def test_a_resume_removes_what_killed_writers_left(tmp_path: Path) -> None:
     assert os.listdir(staging / "artifact" / "transformer") == []
 
 
-@pytest.mark.parametrize("stage", ["renamed", "synced", "staging-removed"])
+@pytest.mark.parametrize("stage", syscall_faults.PUBLISH_STAGES)
 def test_a_kill_after_the_publish_rename_is_cleared_by_the_next_command(tmp_path: Path, prefect_server, prefect_api,  # type: ignore[no-untyped-def]
                                                                         pristine_flux_w2, stage: str) -> None:
     ex = clone_export(pristine_flux_w2, tmp_path)
     env = {**prefect_server.client_env(), "HF_HUB_OFFLINE": "1"}
     target = tmp_path / "out"
-    killed = _merge(ex, target, {**env, "MERGEFLOW_FAULT_KILL_AFTER_PUBLISH": stage})
+    killed = _merge(ex, target, env, ["--kill-after-publish", stage, "--target", str(target)])
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert (target / "merge_manifest.json").is_file(), "the kill came before the publish rename"
     left = [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]

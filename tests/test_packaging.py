@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ast
+import importlib.util
+import re
 from pathlib import Path
 
 import tomllib
@@ -21,3 +24,34 @@ def test_every_domain_package_is_listed_in_pyproject() -> None:
     for name in ("mergeflow.tasks", "mergeflow.flows", "mergeflow.deployments"):
         assert name in listed
     assert not any("fixtures" in name or "tests" in name for name in listed)
+
+
+def _product_sources() -> list[Path]:
+    """Every Python file the wheel ships: mergeflow/ and the directories pyproject maps into it."""
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())
+    roots = {REPO / "mergeflow", *(REPO / d for d in config["tool"]["setuptools"]["package-dir"].values())}
+    return sorted(p for root in roots for p in root.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def test_the_package_carries_no_fault_hooks() -> None:
+    """Faults are injected from outside the product (tests/syscall_faults.py): no module of the package
+    reads a fault or test switch from the environment, signals its own process, or imports a faults module."""
+    assert not (REPO / "mergeflow" / "io" / "faults.py").exists()
+    assert importlib.util.find_spec("mergeflow.io.faults") is None
+    sources = _product_sources()
+    assert len(sources) > 50 and any(p.name == "jsonfiles.py" for p in sources)  # the scan sees the package
+    found = []
+    for path in sources:
+        rel = path.relative_to(REPO)
+        for node in ast.walk(ast.parse(path.read_text(), str(rel))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                    and re.search(r"(^|_)FAULTS?(_|$)|MERGEFLOW_TEST|(^|_)HOOKS?(_|$)", node.value):
+                found.append(f"{rel}:{node.lineno}: environment name {node.value!r}")
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("os.kill", "os.killpg", "signal.raise_signal") \
+                    and "getpid" in ast.unparse(node):
+                found.append(f"{rel}:{node.lineno}: signals its own process: {ast.unparse(node)}")
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                names += [a.name for a in node.names] if isinstance(node, ast.ImportFrom) else []
+                found += [f"{rel}:{node.lineno}: imports {n}" for n in names if re.search(r"(^|[._])faults?($|[._])", n)]
+    assert found == []

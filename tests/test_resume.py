@@ -13,6 +13,7 @@ from typing import Any
 
 import forked_cli
 import pytest
+import syscall_faults
 from builders import Export, assert_bit_exact, clone_export, output_state, tree_digest
 from prefect_runs import flow_run_logs, latest_flow_run, shard_states, task_runs
 
@@ -222,7 +223,7 @@ def test_a_rerun_from_another_cwd_with_other_spellings_resumes(tmp_path: Path, p
     ex = clone_export(pristine_flux_w2, tmp_path / "site")
     target = tmp_path / "site" / "out"
     env = prefect_server.client_env()
-    killed = forked_cli.mergeflow(_merge_args(ex, target), {**env, "MERGEFLOW_FAULT_KILL_AT_WRITE": "1:merge_manifest"})
+    killed = syscall_faults.mergeflow(["--kill-at-write", "1:merge_manifest"], _merge_args(ex, target), env)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     staged = _staged_shards(target.parent, "out")
     assert len(staged) >= 2

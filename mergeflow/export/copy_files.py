@@ -16,7 +16,6 @@ from pathlib import Path
 
 from mergeflow.errors import InputChangedError
 from mergeflow.io.config_paths import is_config_json, strip_local_paths
-from mergeflow.io.faults import durable_write_point
 from mergeflow.io.fs import FileStamp, is_plain_file, sha256_file
 from mergeflow.io.interrupt import raise_if_stopped
 from mergeflow.io.jsonfiles import write_bytes_durable
@@ -66,7 +65,6 @@ def _copy_bytes(src: Path, dst: Path, tmp: Path) -> None:
             os.close(fd_out)
     finally:
         os.close(fd_in)
-    durable_write_point(dst)
     os.replace(tmp, dst)
 
 

@@ -14,7 +14,6 @@ from mergeflow.formats.manifest import (
     fingerprint,
     producer_versions,
 )
-from mergeflow.io.faults import publish_point
 from mergeflow.io.fs import fsync_dir, make_readable, rename_noreplace, sha256_file
 from mergeflow.io.jsonfiles import JsonObject, write_json_durable
 from mergeflow.records import (
@@ -129,9 +128,7 @@ def publish_staged(plan: MergePlan, report: ValidationReport) -> dict[str, str]:
         raise ArtifactInvalidError("the staged tree changed after validation; nothing was published")
     make_readable(artifact)
     rename_noreplace(artifact, target)
-    publish_point("renamed")  # a kill from here on leaves the staging dir and the lock: the next command clears them
+    # A kill from here on leaves the staging dir and the lock: the next command clears them.
     fsync_dir(target.parent)
-    publish_point("synced")
     shutil.rmtree(plan.output.staging, ignore_errors=True)
-    publish_point("staging-removed")
     return {"output_dir": str(target), "manifest_path": str(target / manifest_rel)}

@@ -34,7 +34,6 @@ from mergeflow.formats.safetensors_format import (
     torch_dtype,
 )
 from mergeflow.io.config_paths import strip_local_paths
-from mergeflow.io.faults import durable_write_point
 from mergeflow.io.fs import FileStamp, sha256_file
 from mergeflow.io.interrupt import raise_if_stopped
 from mergeflow.io.jsonfiles import write_bytes_durable, write_json_durable
@@ -133,7 +132,6 @@ def _write_shard_file(shard: ShardPlan, states: PieceSource, artifact_dir: Path,
     finally:
         flush.join()
         os.close(fd)
-    durable_write_point(final)
     os.replace(partial, final)
     record = ShardRecord(
         file_name=shard.file_name,

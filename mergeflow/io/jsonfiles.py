@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from mergeflow.errors import MergeflowError
-from mergeflow.io.faults import durable_write_point
 from mergeflow.io.os_errors import name_written_file
 
 # A JSON object as read from or written to a file (a config, an index, a manifest, an event
@@ -104,5 +103,4 @@ def write_bytes_durable(path: Path, data: bytes, tmp: Path | None = None) -> Non
         name_written_file(exc, path)
         raise
     os.chmod(tmp, 0o644)
-    durable_write_point(path)
     os.replace(tmp, path)
