@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Literal, get_args
 
 from mergeflow.errors import UsageError
@@ -16,12 +17,39 @@ from mergeflow.io.jsonfiles import JsonObject
 # what argparse and the checks below use, derived from them so the two cannot drift.
 Operation = Literal["merge", "test"]
 Backend = Literal["fsdp"]
-OutputFormat = Literal["pipeline", "transformer"]
+OutputFormat = Literal["pipeline", "transformer"]  # the built-in outputs: the served deployments' form
 Dtype = Literal["preserve", "float32", "float16", "bfloat16"]
 AdapterFormat = Literal["peft", "diffusers"]
 QkvLayout = Literal["interleaved", "stacked"]
 TaskRunner = Literal["thread", "dask"]
-OUTPUT_FORMATS: tuple[OutputFormat, ...] = get_args(OutputFormat)
+
+
+class _RegisteredOutputFormats(Sequence[str]):
+    """The --output_format choices: the registered outputs' (mergeflow.outputs.registry), read when asked.
+
+    Live, so an output registered after this module was imported is a choice too; the registry is
+    imported on first use only (its outputs import this module).
+    """
+
+    def _values(self) -> tuple[str, ...]:
+        from mergeflow.outputs.registry import option_values
+
+        return option_values("output_format")
+
+    def __getitem__(self, index: int) -> str:  # type: ignore[override]
+        return self._values()[index]
+
+    def __len__(self) -> int:
+        return len(self._values())
+
+    def __contains__(self, value: object) -> bool:
+        return value in self._values()
+
+    def __repr__(self) -> str:
+        return repr(self._values())
+
+
+OUTPUT_FORMATS: Sequence[str] = _RegisteredOutputFormats()
 DTYPES: tuple[Dtype, ...] = get_args(Dtype)
 ADAPTER_FORMATS: tuple[AdapterFormat, ...] = get_args(AdapterFormat)
 QKV_LAYOUTS: tuple[QkvLayout, ...] = get_args(QkvLayout)
@@ -48,7 +76,7 @@ class ModelMergerConfig:
     local_dir: str | None = None
     hf_model_config_path: str | None = None
     base_model: str | None = None
-    output_format: OutputFormat = DEFAULT_OUTPUT_FORMAT
+    output_format: str = DEFAULT_OUTPUT_FORMAT  # a registered output's (OUTPUT_FORMATS), checked by validate()
     adapter_name: str = "default"
     dtype: Dtype = DEFAULT_DTYPE
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE

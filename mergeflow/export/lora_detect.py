@@ -27,15 +27,15 @@ from mergeflow.lora.config import (
     load_adapter_settings,
     load_train_meta,
 )
-from mergeflow.lora.export import DIFFUSERS_LORA_WEIGHTS_NAME, PEFT_ADAPTER_WEIGHTS_NAME
 from mergeflow.lora.keys import LoraLayout, classify, group_adapters, require_adapter
 from mergeflow.lora.plan import FULL_STATE, LORA_ONLY, LoraSpec, base_model_reference
+from mergeflow.outputs.registry import adapter_output
 from mergeflow.records import BaseInputs
 
 
 def adapter_weights_name(adapter_format: str) -> str:
     """The weight file of an exported adapter in the chosen format."""
-    return DIFFUSERS_LORA_WEIGHTS_NAME if adapter_format == "diffusers" else PEFT_ADAPTER_WEIGHTS_NAME
+    return adapter_output(adapter_format).weights_name
 
 
 def _refuse_lora_flags(config: ModelMergerConfig) -> None:
@@ -219,7 +219,8 @@ def adapter_target(config: ModelMergerConfig, spec: LoraSpec, base: Path | None,
         base_inputs = BaseInputs(base_dir="", kind="hub", component_dir="", files=base_files)
     target = TargetSchema(
         architecture=schema.class_name, transformer_class=schema.class_name, component_dir=Path(base_inputs.component_dir),
-        tensor_directory=".", artifact_type="peft_adapter", weights_name=adapter_weights_name(spec.adapter_format),
-        expected_shapes=schema.tensors, keep_fp32=schema.keep_fp32, base_files=base_files, base_stamps={},
+        tensor_directory=".", artifact_type=adapter_output(spec.adapter_format).artifact_types[0],
+        weights_name=adapter_weights_name(spec.adapter_format), expected_shapes=schema.tensors, keep_fp32=schema.keep_fp32,
+        base_files=base_files, base_stamps={}, output=adapter_output(spec.adapter_format).name,
     )
     return target, base_inputs, replace(spec, base_model_name_or_path=reference)

@@ -16,7 +16,7 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
-from mergeflow.architectures.registry import PIPELINES, BaseLayout, detect_base
+from mergeflow.architectures.registry import BaseLayout, detect_base
 from mergeflow.config import ModelMergerConfig
 from mergeflow.errors import (
     BaseModelError,
@@ -35,6 +35,7 @@ from mergeflow.io.jsonfiles import JsonObject, read_json_strict
 from mergeflow.io.os_errors import check_target_parent
 from mergeflow.io.paths import check_no_overlap
 from mergeflow.io.staging import check_target
+from mergeflow.outputs.registry import model_output
 
 CHECKPOINT_CONFIG = "huggingface/config.json of the checkpoint"
 
@@ -67,18 +68,13 @@ def check_base_fits(config: ModelMergerConfig, base: Path) -> BaseLayout:
     """The base's layout, once its kind fits the output format and it has the component (merge and serve)."""
     layout = detect_base(base, config.component)
     check_output_format(config, layout)
-    arch = PIPELINES.get(layout.class_name) if layout.kind == "pipeline" else None
-    if config.output_format == "pipeline" and arch is not None and config.component not in arch.trainable:
-        raise UsageError(f"--component {config.component}: a {arch.pipeline_class} checkpoint can replace "
-                         f"{', '.join(arch.trainable)}")
+    model_output(config.output_format).check_component(config, layout)
     return layout
 
 
 def check_output_format(config: ModelMergerConfig, layout: BaseLayout) -> None:
-    """Pipeline output needs a pipeline base; say so before any work."""
-    if config.output_format == "pipeline" and layout.kind != "pipeline":
-        raise UsageError("--output_format pipeline needs a base pipeline (a directory with model_index.json); "
-                         "use --output_format transformer for a standalone transformer base")
+    """The output's need of the base (a pipeline output needs a pipeline base); said before any work."""
+    model_output(config.output_format).check_base(config, layout)
 
 
 def preflight_merge(config: ModelMergerConfig) -> list[Path]:
@@ -132,9 +128,8 @@ def _preflight_with_base(config: ModelMergerConfig) -> None:
     """Every export except a LoRA-only adapter needs a local base: paths, layout, classes."""
     paths = resolve_inputs(config)
     layout = check_base_fits(config, paths["base"])
-    arch = PIPELINES.get(layout.class_name) if layout.kind == "pipeline" else None
     actor_config = _read_config(paths["config_dir"] / "config.json", CheckpointError, CHECKPOINT_CONFIG)
-    if config.output_format == "transformer" or (arch is not None and arch.adapter.instantiates_model):
+    if model_output(config.output_format).compares_classes(config, layout):
         _check_same_diffusers_class(actor_config, paths["base"], layout)
 
 
@@ -160,8 +155,7 @@ def _preflight_dcp(config: ModelMergerConfig, actor: Path) -> None:
     if cfg_dir is not None:
         check_no_overlap({"--hf_model_config_path": cfg_dir, "--base_model": base})
         actor_config = _read_config(cfg_dir / "config.json", CheckpointError, "config.json of --hf_model_config_path")
-        arch = PIPELINES.get(layout.class_name) if layout.kind == "pipeline" else None
-        if config.output_format == "transformer" or (arch is not None and arch.adapter.instantiates_model):
+        if model_output(config.output_format).compares_classes(config, layout):
             _check_same_diffusers_class(actor_config, base, layout)
 
 
@@ -182,8 +176,7 @@ def _preflight_maybe_adapter(config: ModelMergerConfig, actor: Path) -> None:
     base = base_arg.resolve()
     check_no_overlap({"--local_dir": actor, "--base_model": base, "--target_dir": target})
     layout = detect_base(base, config.component)
-    arch = PIPELINES.get(layout.class_name) if layout.kind == "pipeline" else None
-    if config.output_format == "transformer" or (arch is not None and arch.adapter.instantiates_model):
+    if model_output(config.output_format).compares_classes(config, layout):
         _check_same_diffusers_class(actor_config, base, layout)
 
 
