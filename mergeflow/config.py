@@ -55,6 +55,7 @@ ADAPTER_FORMATS: tuple[AdapterFormat, ...] = get_args(AdapterFormat)
 QKV_LAYOUTS: tuple[QkvLayout, ...] = get_args(QkvLayout)
 TASK_RUNNERS: tuple[TaskRunner, ...] = get_args(TaskRunner)
 DEFAULT_OUTPUT_FORMAT: OutputFormat = "pipeline"
+DEFAULT_ADAPTER_FORMAT: AdapterFormat = "peft"
 DEFAULT_DTYPE: Dtype = "preserve"
 DEFAULT_MAX_SHARD_SIZE = 2 * 1024**3
 DEFAULT_WORKERS = 2
@@ -84,7 +85,7 @@ class ModelMergerConfig:
     fuse_lora: bool = False
     # mergeflow's own additions (all optional, defaults keep the reference behaviour).
     component: str = "transformer"
-    adapter_format: AdapterFormat = "peft"
+    adapter_format: AdapterFormat = DEFAULT_ADAPTER_FORMAT
     adapter_config: str | None = None
     qkv_layout: QkvLayout = "interleaved"
     workers: int = DEFAULT_WORKERS
@@ -109,7 +110,7 @@ class ModelMergerConfig:
         """The adapter flags given a non-default value: each needs a LoRA checkpoint (one list, so the
         pre-flight and the flow refuse the same flags on a full checkpoint)."""
         given = (("--fuse-lora", self.fuse_lora), ("--adapter-name", self.adapter_name != "default"),
-                 ("--adapter-format", self.adapter_format != "peft"), ("--adapter-config", bool(self.adapter_config)))
+                 ("--adapter-format", self.adapter_format != DEFAULT_ADAPTER_FORMAT), ("--adapter-config", bool(self.adapter_config)))
         return [flag for flag, on in given if on]
 
     def validate(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,12 +14,20 @@ from builders import clone_export, output_state
 from toy_output import TOY, TOY_PREFIX, TOY_WEIGHTS
 
 from mergeflow import merge_model, validate_artifact
-from mergeflow.config import OUTPUT_FORMATS
+from mergeflow.config import ADAPTER_FORMATS, OUTPUT_FORMATS
 from mergeflow.errors import ArtifactInvalidError, UsageError
 from mergeflow.flows.cli import build_parser
 from mergeflow.formats.manifest import MANIFEST_NAME
 from mergeflow.io.jsonfiles import dumps_canonical
-from mergeflow.outputs.registry import register_output, unregister_output
+from mergeflow.outputs.registry import option_values, register_output, unregister_output
+
+ROOT = Path(__file__).resolve().parents[1]
+# A decision on which output is written, made outside mergeflow/outputs/: a comparison with an output
+# format, an adapter format or an artifact type (or a list of artifact types to look one up in).
+OUTPUT_BRANCH = re.compile(
+    r"""(output_format|adapter_format|artifact_type)["'\]]*\s*(==|!=|in\s*[(\[{]|not in\s*[(\[{])"""
+    r"""|(==|!=)\s*["'](peft_adapter|diffusers_transformer|diffusers_pipeline|minimax_h3_pipeline)["']"""
+    r"""|ARTIFACT_TYPES""")
 
 MERGE_ARGS = ["merge", "--backend", "fsdp", "--local_dir", "ckpt", "--target_dir", "out", "--base_model", "base", "--output_format", "toy"]
 
@@ -32,8 +41,25 @@ def toy() -> Iterator[None]:
         unregister_output(TOY.name)  # other tests of this worker see the built-in outputs only
 
 
+def test_no_output_branch_outside_the_outputs_package() -> None:
+    found = []
+    for top in ("mergeflow", "flows", "tasks", "deployments"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            if "outputs" in path.relative_to(ROOT).parts:
+                continue
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if OUTPUT_BRANCH.search(line) and "DEFAULT_ADAPTER_FORMAT" not in line:  # "was the flag given"
+                    found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not found, "\n".join(found)
+    # The pattern does find the branches this package replaced.
+    assert OUTPUT_BRANCH.search('if config.output_format == "pipeline":')
+    assert OUTPUT_BRANCH.search('if manifest["artifact_type"] == "peft_adapter":')
+    assert OUTPUT_BRANCH.search('if lora.adapter_format == "diffusers":')
+
+
 def test_output_format_choices_come_from_the_registry(tmp_path: Path) -> None:
     assert list(OUTPUT_FORMATS) == ["pipeline", "transformer"]
+    assert option_values("adapter_format") == ADAPTER_FORMATS  # the --adapter-format Literal cannot drift
     with pytest.raises(SystemExit) as refused:
         build_parser().parse_args(MERGE_ARGS)
     assert refused.value.code == 2

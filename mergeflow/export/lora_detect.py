@@ -10,7 +10,7 @@ from pathlib import Path
 
 from mergeflow.architectures.registry import BaseLayout, adapter_of, detect_base
 from mergeflow.architectures.schema import model_schema, read_model_config
-from mergeflow.config import ModelMergerConfig
+from mergeflow.config import DEFAULT_ADAPTER_FORMAT, ModelMergerConfig
 from mergeflow.errors import BaseModelError, CheckpointError, LoraError, UsageError
 from mergeflow.export.checkpoint_source import OpenedCheckpoint
 from mergeflow.export.targets import TargetSchema, diffusers_schema
@@ -111,7 +111,7 @@ def detect_lora(config: ModelMergerConfig, checkpoint: OpenedCheckpoint) -> Lora
     meta = load_train_meta(actor / LORA_META) if has_meta else None
     grouped = group_adapters(keys)
     require_adapter(grouped, config.adapter_name)
-    if config.fuse_lora and config.adapter_format != "peft":
+    if config.fuse_lora and config.adapter_format != DEFAULT_ADAPTER_FORMAT:  # the flag given
         raise UsageError("--adapter-format chooses how an adapter is exported; with --fuse-lora no adapter is written")
     settings, origin, path = _settings(config, actor, meta)
     source_files = {LORA_META: sha256_file(actor / LORA_META)} if has_meta else {}

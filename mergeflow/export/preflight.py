@@ -17,7 +17,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from mergeflow.architectures.registry import BaseLayout, detect_base
-from mergeflow.config import ModelMergerConfig
+from mergeflow.config import DEFAULT_ADAPTER_FORMAT, ModelMergerConfig
 from mergeflow.errors import (
     BaseModelError,
     CheckpointError,
@@ -105,7 +105,7 @@ def preflight_merge(config: ModelMergerConfig) -> list[Path]:
 
 def _check_lora_flag_values(config: ModelMergerConfig) -> None:
     """LoRA flags that contradict each other or name no file: refused whatever the checkpoint holds."""
-    if config.fuse_lora and config.adapter_format != "peft":
+    if config.fuse_lora and config.adapter_format != DEFAULT_ADAPTER_FORMAT:  # the flag given
         raise UsageError("--adapter-format chooses how an adapter is exported; with --fuse-lora no adapter is written")
     if config.adapter_config and not Path(config.adapter_config).expanduser().is_file():
         raise UsageError(f"--adapter-config {config.adapter_config} is not a file")
