@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 from mergeflow.errors import UsageError

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
-from mergeflow.architectures.contract import check_pipeline_artifact
 from mergeflow.errors import ArtifactInvalidError
 from mergeflow.formats.manifest import MANIFEST_NAME, check_manifest
 from mergeflow.io.fs import FileStamp, sha256_file

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from importlib import metadata
 from collections.abc import Collection
+from importlib import metadata
 from typing import Any
 
 from mergeflow.errors import ArtifactInvalidError

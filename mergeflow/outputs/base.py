@@ -23,7 +23,13 @@ if TYPE_CHECKING:  # torch behind records and targets: named for type checkers o
     from mergeflow.config import ModelMergerConfig
     from mergeflow.export.reconstruct import PieceSource
     from mergeflow.export.targets import TargetSchema
-    from mergeflow.records import MergePlan, OutputPlan, ShardPlan, ShardRecord, TensorWrite
+    from mergeflow.records import (
+        MergePlan,
+        OutputPlan,
+        ShardPlan,
+        ShardRecord,
+        TensorWrite,
+    )
 
 Shape = tuple[int, ...]
 # What an output needs of --base_model: a local pipeline, a local transformer (standalone or a

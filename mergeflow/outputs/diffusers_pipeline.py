@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
+from mergeflow.architectures.contract import check_pipeline_artifact
 from mergeflow.architectures.registry import PIPELINES
 from mergeflow.errors import UsageError
 from mergeflow.io.jsonfiles import JsonObject
@@ -82,8 +83,6 @@ class DiffusersPipeline(ModelOutput):
         )
 
     def check_configs(self, root: Path, manifest: JsonObject) -> None:
-        from mergeflow.architectures.contract import check_pipeline_artifact
-
         check_pipeline_artifact(root, manifest)  # the (modular) model_index.json and every declared component
         check_model_configs(root, manifest)
 

@@ -35,7 +35,10 @@ class DiffusersTransformer(ModelOutput):
     weights_name: ClassVar[str] = WEIGHTS_NAME  # the artifact's weights (the base's are always Diffusers')
 
     def target(self, config: ModelMergerConfig, base: Path, layout: BaseLayout, actor_config: JsonObject) -> TargetSchema:
-        from mergeflow.architectures.adapters import check_base_headers, diffusers_schema
+        from mergeflow.architectures.adapters import (
+            check_base_headers,
+            diffusers_schema,
+        )
         from mergeflow.architectures.schema import read_model_config
         from mergeflow.errors import BaseModelError
         from mergeflow.export.targets import TargetSchema

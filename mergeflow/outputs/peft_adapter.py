@@ -14,7 +14,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from mergeflow.errors import ArtifactInvalidError, LoraError
 from mergeflow.io.jsonfiles import JsonObject, read_json_strict
 from mergeflow.lora.config import ADAPTER_CONFIG_NAME, settings_from_config_dict
-from mergeflow.lora.export import PEFT_ADAPTER_WEIGHTS_NAME, adapter_config_json, peft_adapter_keys
+from mergeflow.lora.export import (
+    PEFT_ADAPTER_WEIGHTS_NAME,
+    adapter_config_json,
+    peft_adapter_keys,
+)
 from mergeflow.lora.keys import PEFT_PREFIX
 from mergeflow.outputs.lora_adapter import AdapterOutput
 
@@ -33,7 +37,9 @@ class PeftAdapter(AdapterOutput):
         return peft_adapter_keys(modules, saved)
 
     def header_metadata(self, adapter_config: Mapping[str, Any]) -> dict[str, str]:
-        from mergeflow.export.shard_writer import HEADER_METADATA  # torch: only when writing
+        from mergeflow.export.shard_writer import (
+            HEADER_METADATA,  # torch: only when writing
+        )
 
         return dict(HEADER_METADATA)
 
