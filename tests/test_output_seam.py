@@ -10,11 +10,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from builders import clone_export, output_state
+from builders import assert_bit_exact, clone_export, output_state
 from toy_output import TOY, TOY_PREFIX, TOY_WEIGHTS
 
 from mergeflow import merge_model, validate_artifact
-from mergeflow.config import ADAPTER_FORMATS, OUTPUT_FORMATS
+from mergeflow.config import ADAPTER_FORMATS, OUTPUT_FORMATS, ModelMergerConfig
 from mergeflow.errors import ArtifactInvalidError, UsageError
 from mergeflow.flows.cli import build_parser
 from mergeflow.formats.manifest import MANIFEST_NAME
@@ -63,7 +63,7 @@ def test_output_format_choices_come_from_the_registry(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as refused:
         build_parser().parse_args(MERGE_ARGS)
     assert refused.value.code == 2
-    config = clone_free_config(tmp_path)
+    config = _toy_config(tmp_path)
     with pytest.raises(UsageError, match="--output_format must be one of pipeline, transformer, not 'toy'"):
         config.validate()
     register_output(TOY)
@@ -78,9 +78,8 @@ def test_output_format_choices_come_from_the_registry(tmp_path: Path) -> None:
     assert "toy" not in OUTPUT_FORMATS
 
 
-def clone_free_config(tmp_path: Path):  # a config that validate() judges on its flags alone
-    from mergeflow.config import ModelMergerConfig
-
+def _toy_config(tmp_path: Path) -> ModelMergerConfig:
+    """A merge config that validate() judges on its flags alone (no path is read)."""
     return ModelMergerConfig(local_dir=str(tmp_path / "ckpt"), target_dir=str(tmp_path / "out"),
                              base_model=str(tmp_path / "base"), output_format="toy")
 
@@ -97,10 +96,8 @@ def test_toy_output_through_merge_publish_and_test(tmp_path: Path, prefect_api: 
     # The mapping hook renamed every tensor, bytes unchanged.
     published = output_state(out)
     expected = {TOY_PREFIX + key: value for key, value in ex.actor.state_dict().items()}
-    assert set(published) == set(expected) == set(manifest["tensors"])
-    for key, value in expected.items():
-        assert published[key].dtype == value.dtype and published[key].shape == value.shape
-        assert published[key].contiguous().view(-1).view(dtype=published[key].dtype).equal(value.detach().contiguous().view(-1)), key
+    assert set(published) == set(manifest["tensors"])
+    assert_bit_exact(expected, published)
     assert validate_artifact(out) == {"integrity": "passed", "architecture": ex.class_name}
 
     # A consistent edit that every generic check accepts (hashes and manifest updated, header keys renamed
