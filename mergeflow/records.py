@@ -99,6 +99,7 @@ class OutputTarget:
     weights_name: str
     expected_shapes: dict[str, tuple[int, ...]]
     keep_fp32: tuple[str, ...]
+    kind: str  # the output that writes it (mergeflow.outputs.registry): its writer, mapping and checks
 
     @property
     def artifact_dir(self) -> str:

@@ -13,7 +13,9 @@ from mergeflow.architectures.schema import is_kept_in_fp32
 from mergeflow.errors import CastError, CheckpointError, SchemaMismatchError
 from mergeflow.formats.safetensors_format import torch_dtype
 from mergeflow.records import MergePlan, TensorLayout, TensorWrite
-from mergeflow.sources.base import PieceSource  # the piece reader: verl's RankStates, a DCP's chunks
+from mergeflow.sources.base import (
+    PieceSource,  # the piece reader: verl's RankStates, a DCP's chunks
+)
 
 FLOATING = {"float64", "float32", "float16", "bfloat16"}
 _CHECK_ELEMENTS = 1 << 24  # finiteness is checked in slices so no full-size temporary exists
