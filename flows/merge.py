@@ -15,6 +15,7 @@ from prefect.utilities.annotations import opaque
 
 from mergeflow.config import ModelMergerConfig
 from mergeflow.errors import MergeflowError, UploadError, one_line
+from mergeflow.export.check.unchanged import guard_unchanged
 from mergeflow.export.progress import (
     HASHING,
     INSPECTING,
@@ -23,7 +24,6 @@ from mergeflow.export.progress import (
     UPLOADING,
     VALIDATING,
 )
-from mergeflow.export.unchanged import guard_unchanged
 from mergeflow.flows.artifacts import (
     publish_manifest_artifacts,
     start_progress,

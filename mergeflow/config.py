@@ -89,7 +89,7 @@ class ModelMergerConfig:
     adapter_config: str | None = None
     qkv_layout: QkvLayout = "interleaved"
     workers: int = DEFAULT_WORKERS
-    allow_unchanged: bool = False  # publish even when every tensor equals the base's (mergeflow/export/unchanged.py)
+    allow_unchanged: bool = False  # publish even when every tensor equals the base's (mergeflow/export/check/unchanged.py)
 
     def __post_init__(self) -> None:
         if self.hf_model_config_path is None and self.local_dir is not None:

@@ -3,7 +3,7 @@
 A `MergePlan` is composed of smaller frozen records, each about one thing: what the user asked
 (`ExportOptions`), the training checkpoint (`CheckpointInputs`), the base model (`BaseInputs`),
 the artifact to produce (`OutputTarget`), how tensors and configs change on the way
-(`Conversion`) and, for LoRA checkpoints, the `LoraSpec`. `mergeflow.export.plan.build_plan`
+(`Conversion`) and, for LoRA checkpoints, the `LoraSpec`. `mergeflow.export.plan.build.build_plan`
 is the one place that builds it.
 """
 

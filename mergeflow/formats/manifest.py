@@ -131,7 +131,7 @@ def _check_source_model_config(smc: JsonObject) -> None:
 
 
 def _check_unchanged_check(value: Any) -> None:
-    """The optional unchanged-weights measurement (mergeflow/export/unchanged.py), when present."""
+    """The optional unchanged-weights measurement (mergeflow/export/check/unchanged.py), when present."""
     if value is None:
         return
     counts = value if isinstance(value, dict) and set(value) == {"compared_tensors", "differing_tensors"} else None

@@ -21,8 +21,8 @@ from mergeflow.io.jsonfiles import JsonObject
 if TYPE_CHECKING:  # torch behind records and targets: named for type checkers only
     from mergeflow.architectures.registry import BaseLayout
     from mergeflow.config import ModelMergerConfig
-    from mergeflow.export.reconstruct import PieceSource
-    from mergeflow.export.targets import TargetSchema
+    from mergeflow.export.plan.targets import TargetSchema
+    from mergeflow.export.reconstruct.rebuild import PieceSource
     from mergeflow.records import (
         MergePlan,
         OutputPlan,
@@ -57,7 +57,7 @@ class WeightsWriter(Protocol):
 
 @dataclass(frozen=True)
 class SafetensorsWriter:
-    """mergeflow's streaming safetensors writer (mergeflow/export/shard_writer.py).
+    """mergeflow's streaming safetensors writer (mergeflow/export/write/shard_writer.py).
 
     `single_file`: every tensor in the one file named by the weights name, whatever --max_shard_size.
     """
@@ -65,12 +65,12 @@ class SafetensorsWriter:
     single_file: bool = False
 
     def pack(self, writes: list[TensorWrite], max_shard_size: int, weights_name: str, plan_fingerprint: str) -> OutputPlan:
-        from mergeflow.export.shard_writer import pack_shards
+        from mergeflow.export.write.shard_writer import pack_shards
 
         return pack_shards(writes, sys.maxsize if self.single_file else max_shard_size, weights_name, plan_fingerprint)
 
     def write_file(self, shard: ShardPlan, states: PieceSource, tensor_dir: Path, work_dir: Path) -> ShardRecord:
-        from mergeflow.export.shard_writer import write_shard_file
+        from mergeflow.export.write.shard_writer import write_shard_file
 
         return write_shard_file(shard, states, tensor_dir, work_dir)
 

@@ -1,6 +1,6 @@
 """Checks that several outputs compose: weight files against the manifest, configs, the staged schema.
 
-Moved here from export/artifact_check.py and export/staged_check.py so each output names the
+Moved here from export/check/artifact_check.py and export/check/staged_check.py so each output names the
 ones it runs; nothing here asks which output it checks.
 """
 

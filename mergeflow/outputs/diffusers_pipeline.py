@@ -24,7 +24,7 @@ from mergeflow.outputs.checks import (
 if TYPE_CHECKING:
     from mergeflow.architectures.registry import Architecture, BaseLayout
     from mergeflow.config import ModelMergerConfig
-    from mergeflow.export.targets import TargetSchema
+    from mergeflow.export.plan.targets import TargetSchema
     from mergeflow.records import MergePlan
 
 
@@ -56,7 +56,7 @@ class DiffusersPipeline(ModelOutput):
         from mergeflow.architectures.registry import weights_name_for
         from mergeflow.architectures.schema import read_model_config
         from mergeflow.errors import BaseModelError
-        from mergeflow.export.targets import TargetSchema, hash_base_files
+        from mergeflow.export.plan.targets import TargetSchema, hash_base_files
         from mergeflow.formats.weight_index import read_weight_headers
         from mergeflow.io.fs import FileStamp
         from mergeflow.records import Conversion

@@ -21,7 +21,7 @@ from mergeflow.outputs.checks import (
 if TYPE_CHECKING:
     from mergeflow.architectures.registry import BaseLayout
     from mergeflow.config import ModelMergerConfig
-    from mergeflow.export.targets import TargetSchema
+    from mergeflow.export.plan.targets import TargetSchema
     from mergeflow.records import MergePlan
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
@@ -41,7 +41,7 @@ class DiffusersTransformer(ModelOutput):
         )
         from mergeflow.architectures.schema import read_model_config
         from mergeflow.errors import BaseModelError
-        from mergeflow.export.targets import TargetSchema
+        from mergeflow.export.plan.targets import TargetSchema
         from mergeflow.formats.weight_index import read_weight_headers
         from mergeflow.io.config_paths import strip_local_paths
         from mergeflow.io.fs import FileStamp, sha256_file

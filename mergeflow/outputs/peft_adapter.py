@@ -37,7 +37,7 @@ class PeftAdapter(AdapterOutput):
         return peft_adapter_keys(modules, saved)
 
     def header_metadata(self, adapter_config: Mapping[str, Any]) -> dict[str, str]:
-        from mergeflow.export.shard_writer import (
+        from mergeflow.export.write.shard_writer import (
             HEADER_METADATA,  # torch: only when writing
         )
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from mergeflow.errors import BaseModelError, LoraError
-from mergeflow.export.reconstruct import check_coverage, output_dtype
+from mergeflow.export.reconstruct.rebuild import check_coverage, output_dtype
 from mergeflow.formats.weight_index import read_weight_headers
 from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.lora.config import peft_adapter_config

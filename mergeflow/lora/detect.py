@@ -12,7 +12,7 @@ from mergeflow.architectures.registry import BaseLayout, adapter_of, detect_base
 from mergeflow.architectures.schema import model_schema, read_model_config
 from mergeflow.config import DEFAULT_ADAPTER_FORMAT, ModelMergerConfig
 from mergeflow.errors import BaseModelError, CheckpointError, LoraError, UsageError
-from mergeflow.export.targets import TargetSchema, diffusers_schema
+from mergeflow.export.plan.targets import TargetSchema, diffusers_schema
 from mergeflow.formats.verl_checkpoint import LORA_META
 from mergeflow.formats.weight_index import read_weight_map
 from mergeflow.io.fs import FileStamp, sha256_file

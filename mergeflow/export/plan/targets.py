@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mergeflow.architectures.adapters import diffusers_schema  # noqa: F401  (lora_detect's import)
+from mergeflow.architectures.adapters import diffusers_schema  # noqa: F401  (lora/detect.py imports it from here)
 from mergeflow.formats.manifest import ArtifactType
 from mergeflow.io.fs import FileStamp, sha256_file
 from mergeflow.records import Conversion

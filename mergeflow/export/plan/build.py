@@ -19,21 +19,21 @@ from mergeflow.architectures.schema import (
 )
 from mergeflow.config import ModelMergerConfig
 from mergeflow.errors import BaseModelError, MergeflowError
-from mergeflow.export.lora_detect import (
-    adapter_target,
-    detect_lora,
-    finish_lora_spec,
-    lora_input_files,
-    resolve_adapter_inputs,
-)
-from mergeflow.export.preflight import check_output_format, resolve_inputs
-from mergeflow.export.targets import TargetSchema
+from mergeflow.export.plan.preflight import check_output_format, resolve_inputs
+from mergeflow.export.plan.targets import TargetSchema
 from mergeflow.formats.manifest import fingerprint
 from mergeflow.io.confinement import check_export_links
 from mergeflow.io.fs import FileStamp, sha256_file
 from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.io.paths import lock_path_for, resolved_path_options, staging_dir_for
 from mergeflow.io.prefetch import DigestPrefetch
+from mergeflow.lora.detect import (
+    adapter_target,
+    detect_lora,
+    finish_lora_spec,
+    lora_input_files,
+    resolve_adapter_inputs,
+)
 from mergeflow.lora.plan import LoraSpec
 from mergeflow.outputs.registry import model_output
 from mergeflow.records import (

@@ -6,7 +6,10 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from mergeflow.errors import InputChangedError
-from mergeflow.export.artifact_check import manifest_relpath, validate_artifact_dir
+from mergeflow.export.check.artifact_check import (
+    manifest_relpath,
+    validate_artifact_dir,
+)
 from mergeflow.io.fs import FileStamp, sha256_file
 from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.outputs.registry import output_of

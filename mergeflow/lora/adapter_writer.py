@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from mergeflow.export.publish import build_manifest
-from mergeflow.export.reconstruct import output_dtype
+from mergeflow.export.reconstruct.rebuild import output_dtype
 from mergeflow.formats.manifest import MANIFEST_NAME, fingerprint
 from mergeflow.formats.safetensors_format import nbytes
 from mergeflow.io.fs import sha256_file

@@ -190,7 +190,7 @@ def strip_wrappers(key: str) -> str:
 
 
 def plan_tensor_writes(plan: MergePlan, layouts: dict[str, TensorLayout]) -> list[TensorWrite]:
-    """One write per checkpoint tensor (`layouts`: see mergeflow.export.layout.rank_layouts), checked
+    """One write per checkpoint tensor (`layouts`: see mergeflow.export.reconstruct.layout.rank_layouts), checked
     against the base schema: exact coverage and shapes."""
     by_name: dict[str, TensorLayout] = {}
     for key, layout in layouts.items():
