@@ -32,13 +32,13 @@ os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
 
 def merge_direct(config: Any) -> dict[str, str]:
     """The merge flow's steps for a plain (non-LoRA) export, called directly: no Prefect at all."""
-    from mergeflow.export.layout import rank_layouts
-    from mergeflow.export.plan import build_plan
+    from mergeflow.export.check.staged_check import validate_staged
+    from mergeflow.export.plan.build import build_plan
     from mergeflow.export.publish import finalize_staging, publish_staged
-    from mergeflow.export.rank_index import hash_rank_file, index_rank_file
-    from mergeflow.export.reconstruct import plan_tensor_writes
-    from mergeflow.export.shard_writer import pack_shards, write_shard_file
-    from mergeflow.export.staged_check import validate_staged
+    from mergeflow.export.reconstruct.layout import rank_layouts
+    from mergeflow.export.reconstruct.rank_index import hash_rank_file, index_rank_file
+    from mergeflow.export.reconstruct.rebuild import plan_tensor_writes
+    from mergeflow.export.write.shard_writer import pack_shards, write_shard_file
     from mergeflow.io.fs import TargetLock
     from mergeflow.io.staging import check_target
     from mergeflow.sources.verl import RankStates

@@ -251,7 +251,7 @@ def _running_flows(announce: str | None = None) -> Iterator[FlowRunLinks]:
 
 
 def cmd_merge(args: argparse.Namespace) -> JsonObject:
-    from mergeflow.export.preflight import preflight_merge
+    from mergeflow.export.plan.preflight import preflight_merge
     from mergeflow.io.prefetch import DigestPrefetch
     from mergeflow.sources.registry import source_for
 
@@ -287,7 +287,7 @@ def cmd_backfill(args: argparse.Namespace) -> JsonObject:
 def cmd_test(args: argparse.Namespace) -> JsonObject:
     # In-process, without Prefect or torch: starting Prefect (let alone a temporary server) would
     # cost many times the checks. The validate flow (UI reruns, the API) runs this same function.
-    from mergeflow.export.artifact_check import check_artifact
+    from mergeflow.export.check.artifact_check import check_artifact
 
     return check_artifact(args.test_hf_dir)
 

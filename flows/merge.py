@@ -13,9 +13,9 @@ from prefect.futures import PrefectFuture
 from prefect.runtime import flow_run
 from prefect.utilities.annotations import opaque
 
-from mergeflow.architectures.conversions import convert_writes
 from mergeflow.config import ModelMergerConfig
 from mergeflow.errors import MergeflowError, UploadError, one_line
+from mergeflow.export.check.unchanged import guard_unchanged
 from mergeflow.export.progress import (
     HASHING,
     INSPECTING,
@@ -24,8 +24,6 @@ from mergeflow.export.progress import (
     UPLOADING,
     VALIDATING,
 )
-from mergeflow.export.shard_writer import pack_shards
-from mergeflow.export.unchanged import guard_unchanged
 from mergeflow.flows.artifacts import (
     publish_manifest_artifacts,
     start_progress,
@@ -45,6 +43,7 @@ from mergeflow.io.staging import (
     settle_failed_staging,
 )
 from mergeflow.lora.artifact import ADAPTER_DIR
+from mergeflow.outputs.registry import output_writes, pack_output
 from mergeflow.records import MergePlan, ShardRecord, TensorLayout
 from mergeflow.sources.base import Indexing
 from mergeflow.sources.registry import forget as forget_checkpoint
@@ -140,10 +139,10 @@ def run_export(plan: MergePlan, allow_unchanged: bool = False) -> tuple[dict[str
         return publish(light(plan), validate_staged_task(light(plan), adapter.manifest, light(verified))), adapter.manifest
     writes = (plan_lora_writes(light(plan), light(lora), light(layouts)) if lora is not None
               else plan_reconstruction(light(plan), light(layouts)))
-    writes = convert_writes(plan.conversion, writes)  # an architecture adapter's conversion; else unchanged
+    writes = output_writes(plan, writes)  # an architecture adapter's conversion, then the output's key mapping
     # Pipeline assets are copied while the shards are written.
     copy_future = copy_components.submit(light_submit(plan)) if plan.base.copy_files else None
-    output = pack_shards(writes, plan.options.max_shard_size, plan.output.weights_name, plan.fingerprint)
+    output = pack_output(plan, writes)  # the output's writer: sharded safetensors, or one file
     artifact = start_progress(plan, output.total_size)
     progress.begin_writing(output)  # bytes written of output.total_size
     futures = [write_shard.submit(light_submit(plan), light_submit(shard)) for shard in output.shards]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
-from mergeflow.export.artifact_check import artifact_to_check
+from mergeflow.export.check.artifact_check import artifact_to_check
 from mergeflow.flows.run_names import validate_label
 from mergeflow.io.confinement import confine_read
 from mergeflow.io.jsonfiles import JsonObject

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -16,17 +17,45 @@ from mergeflow.io.jsonfiles import JsonObject
 # what argparse and the checks below use, derived from them so the two cannot drift.
 Operation = Literal["merge", "test"]
 Backend = Literal["fsdp"]
-OutputFormat = Literal["pipeline", "transformer"]
+OutputFormat = Literal["pipeline", "transformer"]  # the built-in outputs: the served deployments' form
 Dtype = Literal["preserve", "float32", "float16", "bfloat16"]
 AdapterFormat = Literal["peft", "diffusers"]
 QkvLayout = Literal["interleaved", "stacked"]
 TaskRunner = Literal["thread", "dask"]
-OUTPUT_FORMATS: tuple[OutputFormat, ...] = get_args(OutputFormat)
+
+
+class _RegisteredOutputFormats(Sequence[str]):
+    """The --output_format choices: the registered outputs' (mergeflow.outputs.registry), read when asked.
+
+    Live, so an output registered after this module was imported is a choice too; the registry is
+    imported on first use only (its outputs import this module).
+    """
+
+    def _values(self) -> tuple[str, ...]:
+        from mergeflow.outputs.registry import option_values
+
+        return option_values("output_format")
+
+    def __getitem__(self, index: int) -> str:  # type: ignore[override]
+        return self._values()[index]
+
+    def __len__(self) -> int:
+        return len(self._values())
+
+    def __contains__(self, value: object) -> bool:
+        return value in self._values()
+
+    def __repr__(self) -> str:
+        return repr(self._values())
+
+
+OUTPUT_FORMATS: Sequence[str] = _RegisteredOutputFormats()
 DTYPES: tuple[Dtype, ...] = get_args(Dtype)
 ADAPTER_FORMATS: tuple[AdapterFormat, ...] = get_args(AdapterFormat)
 QKV_LAYOUTS: tuple[QkvLayout, ...] = get_args(QkvLayout)
 TASK_RUNNERS: tuple[TaskRunner, ...] = get_args(TaskRunner)
 DEFAULT_OUTPUT_FORMAT: OutputFormat = "pipeline"
+DEFAULT_ADAPTER_FORMAT: AdapterFormat = "peft"
 DEFAULT_DTYPE: Dtype = "preserve"
 DEFAULT_MAX_SHARD_SIZE = 2 * 1024**3
 DEFAULT_WORKERS = 2
@@ -48,7 +77,7 @@ class ModelMergerConfig:
     local_dir: str | None = None
     hf_model_config_path: str | None = None
     base_model: str | None = None
-    output_format: OutputFormat = DEFAULT_OUTPUT_FORMAT
+    output_format: str = DEFAULT_OUTPUT_FORMAT  # a registered output's (OUTPUT_FORMATS), checked by validate()
     adapter_name: str = "default"
     dtype: Dtype = DEFAULT_DTYPE
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
@@ -56,11 +85,11 @@ class ModelMergerConfig:
     fuse_lora: bool = False
     # mergeflow's own additions (all optional, defaults keep the reference behaviour).
     component: str = "transformer"
-    adapter_format: AdapterFormat = "peft"
+    adapter_format: AdapterFormat = DEFAULT_ADAPTER_FORMAT
     adapter_config: str | None = None
     qkv_layout: QkvLayout = "interleaved"
     workers: int = DEFAULT_WORKERS
-    allow_unchanged: bool = False  # publish even when every tensor equals the base's (mergeflow/export/unchanged.py)
+    allow_unchanged: bool = False  # publish even when every tensor equals the base's (mergeflow/export/check/unchanged.py)
 
     def __post_init__(self) -> None:
         if self.hf_model_config_path is None and self.local_dir is not None:
@@ -81,7 +110,7 @@ class ModelMergerConfig:
         """The adapter flags given a non-default value: each needs a LoRA checkpoint (one list, so the
         pre-flight and the flow refuse the same flags on a full checkpoint)."""
         given = (("--fuse-lora", self.fuse_lora), ("--adapter-name", self.adapter_name != "default"),
-                 ("--adapter-format", self.adapter_format != "peft"), ("--adapter-config", bool(self.adapter_config)))
+                 ("--adapter-format", self.adapter_format != DEFAULT_ADAPTER_FORMAT), ("--adapter-config", bool(self.adapter_config)))
         return [flag for flag, on in given if on]
 
     def validate(self) -> None:

@@ -3,7 +3,7 @@
 A `MergePlan` is composed of smaller frozen records, each about one thing: what the user asked
 (`ExportOptions`), the training checkpoint (`CheckpointInputs`), the base model (`BaseInputs`),
 the artifact to produce (`OutputTarget`), how tensors and configs change on the way
-(`Conversion`) and, for LoRA checkpoints, the `LoraSpec`. `mergeflow.export.plan.build_plan`
+(`Conversion`) and, for LoRA checkpoints, the `LoraSpec`. `mergeflow.export.plan.build.build_plan`
 is the one place that builds it.
 """
 
@@ -99,6 +99,7 @@ class OutputTarget:
     weights_name: str
     expected_shapes: dict[str, tuple[int, ...]]
     keep_fp32: tuple[str, ...]
+    kind: str  # the output that writes it (mergeflow.outputs.registry): its writer, mapping and checks
 
     @property
     def artifact_dir(self) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from mergeflow.export.copy_files import copy_base_files
+from mergeflow.export.write.copy_files import copy_base_files
 from mergeflow.records import CopyResult, MergePlan
 from mergeflow.tasks import RETRY_IO
 

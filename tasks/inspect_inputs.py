@@ -6,7 +6,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from mergeflow.config import ModelMergerConfig
-from mergeflow.export.plan import build_plan
+from mergeflow.export.plan.build import build_plan
 from mergeflow.records import MergePlan
 
 

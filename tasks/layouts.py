@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from mergeflow.export.layout import rank_layouts
+from mergeflow.export.reconstruct.layout import rank_layouts
 from mergeflow.records import MergePlan, RankIndex, TensorLayout
 from mergeflow.sources.registry import source_named
 from mergeflow.tasks import RETRY_IO

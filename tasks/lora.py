@@ -5,8 +5,8 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from mergeflow.export.adapter_plan import lora_tensor_writes, plan_lora_export
-from mergeflow.export.adapter_writer import AdapterExport, write_adapter
+from mergeflow.lora.adapter_plan import lora_tensor_writes, plan_lora_export
+from mergeflow.lora.adapter_writer import AdapterExport, write_adapter
 from mergeflow.lora.plan import LoraPlan
 from mergeflow.records import MergePlan, TensorLayout, TensorWrite
 from mergeflow.tasks import RETRY_IO

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from mergeflow.export.reconstruct import plan_tensor_writes
+from mergeflow.export.reconstruct.rebuild import plan_tensor_writes
 from mergeflow.records import MergePlan, TensorLayout, TensorWrite
 
 

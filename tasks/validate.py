@@ -1,6 +1,6 @@
 """Validation tasks: the checks `test` runs on any artifact, and the checks of a staged export.
 
-Thin wrappers: the checks live in the domain (mergeflow.export.artifact_check, mergeflow.export.staged_check)
+Thin wrappers: the checks live in the domain (mergeflow.export.check.artifact_check, mergeflow.export.check.staged_check)
 so that `mergeflow test` runs them without Prefect. `validate_staged` is looked up in this module at
 call time, so a test can wrap it (tests/test_resume.py corrupts a shard just before it).
 """
@@ -12,8 +12,8 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from mergeflow.export.artifact_check import validate_artifact_dir
-from mergeflow.export.staged_check import validate_staged
+from mergeflow.export.check.artifact_check import validate_artifact_dir
+from mergeflow.export.check.staged_check import validate_staged
 from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.records import MergePlan, ValidationReport, VerifiedFile
 

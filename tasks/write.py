@@ -9,8 +9,8 @@ from typing import Any
 
 from prefect import task
 
-from mergeflow.export.shard_writer import write_shard_file
 from mergeflow.io.staging import staged_file_state, staging_id
+from mergeflow.outputs.registry import output_of
 from mergeflow.records import MergePlan, ShardPlan, ShardRecord
 from mergeflow.sources.registry import open_pieces
 from mergeflow.tasks import RETRY_IO
@@ -42,4 +42,4 @@ def write_shard(plan: MergePlan, shard: ShardPlan) -> ShardRecord:
     artifact_dir.mkdir(parents=True, exist_ok=True)
     work_dir = Path(plan.output.work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
-    return write_shard_file(shard, states, artifact_dir, work_dir)
+    return output_of(plan).writer.write_file(shard, states, artifact_dir, work_dir)

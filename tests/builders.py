@@ -119,16 +119,16 @@ class PlainRun:
 
 # stage -> the domain function it runs (through the thin task's `.fn`, which only unpacks the plan's fields)
 PLAIN_STAGES = {
-    "inspect": "mergeflow.export.plan.build_plan",
+    "inspect": "mergeflow.export.plan.build.build_plan",
     "lock": "mergeflow.io.fs.TargetLock.acquire",
     "target": "mergeflow.io.staging.check_target",
-    "index": "mergeflow.export.rank_index.index_rank_file",
-    "reconstruct": "mergeflow.export.layout.rank_layouts, then mergeflow.export.reconstruct.plan_tensor_writes",
-    "write": "mergeflow.export.shard_writer.write_shard_file",
-    "copy": "mergeflow.export.copy_files.copy_base_files",
-    "hash": "mergeflow.export.rank_index.hash_rank_file",
+    "index": "mergeflow.export.reconstruct.rank_index.index_rank_file",
+    "reconstruct": "mergeflow.export.reconstruct.layout.rank_layouts, then mergeflow.export.reconstruct.rebuild.plan_tensor_writes",
+    "write": "mergeflow.export.write.shard_writer.write_shard_file",
+    "copy": "mergeflow.export.write.copy_files.copy_base_files",
+    "hash": "mergeflow.export.reconstruct.rank_index.hash_rank_file",
     "metadata": "mergeflow.export.publish.finalize_staging",
-    "validate": "mergeflow.export.staged_check.validate_staged",
+    "validate": "mergeflow.export.check.staged_check.validate_staged",
     "publish": "mergeflow.export.publish.publish_staged",
 }
 
@@ -140,7 +140,7 @@ def plain_export(config: ModelMergerConfig, run: PlainRun | None = None) -> dict
     `.fn`) in the flow's order, with the flow's lock, kept-staging and cache-forgetting behaviour.
     """
     from mergeflow.errors import MergeflowError
-    from mergeflow.export.plan import build_plan
+    from mergeflow.export.plan.build import build_plan
     from mergeflow.io.fs import TargetLock
     from mergeflow.io.prefetch import DigestPrefetch
     from mergeflow.io.staging import settle_failed_staging
@@ -168,7 +168,7 @@ def plain_export(config: ModelMergerConfig, run: PlainRun | None = None) -> dict
 
 
 def _plain_run_export(plan, run: PlainRun) -> dict[str, str]:  # type: ignore[no-untyped-def]
-    from mergeflow.export.shard_writer import pack_shards
+    from mergeflow.export.write.shard_writer import pack_shards
     from mergeflow.io.staging import check_target
     from mergeflow.tasks.copy_components import copy_components
     from mergeflow.tasks.layouts import combine_rank_layouts

@@ -36,7 +36,7 @@ from mergeflow.architectures.schema import (
     tensor_budget,
 )
 from mergeflow.demo.tiny_transformers import TINY_TRANSFORMER_CONFIGS
-from mergeflow.export.preflight import preflight_merge
+from mergeflow.export.plan.preflight import preflight_merge
 from mergeflow.formats.verl_checkpoint import MAX_WORLD_SIZE, rank_file_names
 
 FLUX = "FluxTransformer2DModel"
@@ -262,7 +262,7 @@ def test_the_cli_refuses_a_huge_layer_count_in_one_line(ex: Export, env: dict[st
 def test_a_device_mesh_with_non_positive_dimensions_is_a_layout_error() -> None:
     """(-1, -2) multiplies to the world size 2: without the per-axis check it indexed a negative chunk list."""
     from mergeflow.errors import ShardLayoutError
-    from mergeflow.export.layout import plan_layouts
+    from mergeflow.export.reconstruct.layout import plan_layouts
     from mergeflow.formats.rank_files import TensorEntry
 
     def entry(rank: int, mesh: tuple[int, ...]) -> dict[str, TensorEntry]:

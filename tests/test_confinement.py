@@ -14,7 +14,14 @@ from typing import Any
 
 import forked_cli
 import pytest
-from builders import Export, clone_export, expect_refusal, leftovers, make_export, plain_export
+from builders import (
+    Export,
+    clone_export,
+    expect_refusal,
+    leftovers,
+    make_export,
+    plain_export,
+)
 
 from mergeflow.errors import BaseModelError, ConfinementError, EventError
 from mergeflow.events import build_checkpoint_event

@@ -34,7 +34,7 @@ import torch
 from builders import assert_bit_exact, leftovers, output_state, tree_digest
 
 import mergeflow.errors as E
-from mergeflow.export.rank_index import hash_rank_file
+from mergeflow.export.reconstruct.rank_index import hash_rank_file
 from mergeflow.formats import dcp
 from mergeflow.io.fs import FileStamp
 from mergeflow.io.prefetch import DigestPrefetch

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from mergeflow import ModelMergerConfig, merge_model, validate_artifact
 from mergeflow.demo.checkpoints import build_transformer, perturb_
 from mergeflow.export.describe import describe_checkpoint
-from mergeflow.export.layout import chunk_sizes
+from mergeflow.export.reconstruct.layout import chunk_sizes
 from mergeflow.formats import rank_pickle
 from mergeflow.formats.rank_files import describe_state
 from tests.fixtures.fsdp1_writers import Fsdp1Checkpoint, write_fsdp1_checkpoint

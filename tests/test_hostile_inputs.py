@@ -101,7 +101,7 @@ def test_a_target_on_a_pseudo_filesystem_is_refused(ex: Export, target: str) -> 
 
 def _as_nobody(argv: list[str]) -> tuple[int, str]:
     """`main(argv)` in a forked child that gave up root (uid/gid 65534): real permission checks apply."""
-    import mergeflow.export.artifact_check  # noqa: F401  (imported before the fork: nobody cannot read site-packages)
+    import mergeflow.export.check.artifact_check  # noqa: F401  (imported before the fork: nobody cannot read site-packages)
     from mergeflow.flows.cli import main
 
     read_end, write_end = os.pipe()

@@ -13,7 +13,7 @@ import forked_cli
 import pytest
 from builders import Export, clone_export
 
-from mergeflow.export.artifact_check import check_artifact
+from mergeflow.export.check.artifact_check import check_artifact
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent

@@ -18,7 +18,7 @@ from builders import Export, clone_export, make_export
 from test_refusals import expect_refusal
 
 from mergeflow.errors import CheckpointError
-from mergeflow.export.rank_index import hash_rank_file
+from mergeflow.export.reconstruct.rank_index import hash_rank_file
 from mergeflow.formats.zip_records import sha256_and_check_records
 from mergeflow.io.fs import FileStamp
 from mergeflow.io.prefetch import DigestPrefetch

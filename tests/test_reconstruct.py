@@ -10,10 +10,10 @@ from builders import assert_bit_exact, output_state
 from torch import nn
 
 from mergeflow.demo.checkpoints import save_fsdp_checkpoint
-from mergeflow.export.layout import chunk_sizes, plan_layouts
-from mergeflow.export.rank_index import index_rank_file
-from mergeflow.export.reconstruct import all_finite
-from mergeflow.export.shard_writer import pack_shards, write_shard_file
+from mergeflow.export.reconstruct.layout import chunk_sizes, plan_layouts
+from mergeflow.export.reconstruct.rank_index import index_rank_file
+from mergeflow.export.reconstruct.rebuild import all_finite
+from mergeflow.export.write.shard_writer import pack_shards, write_shard_file
 from mergeflow.records import TensorWrite
 from mergeflow.sources.verl import RankStates
 

@@ -403,7 +403,7 @@ def test_input_modified_during_export(ex: Export) -> None:
 
 def test_disk_full_while_writing_a_shard(ex1: Export, monkeypatch: pytest.MonkeyPatch) -> None:
     """ENOSPC from the write path becomes one DiskFullError line that keeps the staging (the CLI case: test_cli)."""
-    from mergeflow.export import shard_writer as write
+    from mergeflow.export.write import shard_writer as write
 
     def full(self, data) -> int:  # type: ignore[no-untyped-def]
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -199,7 +199,7 @@ def test_dask_local_cluster_gives_a_byte_identical_artifact(tmp_path: Path, pref
                                  dask_address=cluster.scheduler_address)
             with cluster.get_client() as client:
                 # Only a task that ran in a worker process makes it import the shard writer.
-                ran_there = client.run(lambda: __import__("sys").modules.get("mergeflow.export.shard_writer") is not None)
+                ran_there = client.run(lambda: __import__("sys").modules.get("mergeflow.export.write.shard_writer") is not None)
     finally:
         os.environ.clear()
         os.environ.update(environ)

@@ -24,7 +24,7 @@ import pytest
 from builders import Export, clone_export
 from test_local_server import newcomer_env
 
-from mergeflow.export.artifact_check import check_artifact
+from mergeflow.export.check.artifact_check import check_artifact
 from mergeflow.ops import local_server
 
 REPO = Path(__file__).resolve().parent.parent

@@ -18,11 +18,11 @@ from mergeflow.errors import (
     CheckpointError,
     InputChangedError,
 )
-from mergeflow.export import artifact_check
-from mergeflow.export import shard_writer as write
-from mergeflow.export.layout import plan_layouts
-from mergeflow.export.rank_index import hash_rank_file, index_rank_file
-from mergeflow.export.reconstruct import same_bytes
+from mergeflow.export.check import artifact_check
+from mergeflow.export.reconstruct.layout import plan_layouts
+from mergeflow.export.reconstruct.rank_index import hash_rank_file, index_rank_file
+from mergeflow.export.reconstruct.rebuild import same_bytes
+from mergeflow.export.write import shard_writer as write
 from mergeflow.io.fs import FileStamp
 from mergeflow.io.streamio import BackgroundFlush, HashingWriter
 from mergeflow.records import ShardPlan, TensorWrite, VerifiedFile
@@ -197,7 +197,7 @@ def test_rank_hash_refuses_a_file_that_is_not_the_planned_one(tmp_path: Path) ->
 
 
 def test_finite_scan_takes_parameters_and_scalars() -> None:
-    from mergeflow.export.reconstruct import all_finite
+    from mergeflow.export.reconstruct.rebuild import all_finite
 
     assert all_finite(nn.Parameter(torch.randn(10)))
     assert not all_finite(nn.Parameter(torch.tensor([1.0, float("inf")])))

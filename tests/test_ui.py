@@ -117,8 +117,8 @@ def test_deployment_forms_are_typed(tmp_path: Path, prefect_api: object) -> None
     from prefect.client.orchestration import get_client
     from prefect.utilities.callables import parameter_schema
 
-    from mergeflow.flows.checkpoint import merge_checkpoint_flow
     from mergeflow.deployments.serve import ServeSettings, build_deployments
+    from mergeflow.flows.checkpoint import merge_checkpoint_flow
     from mergeflow.flows.validate import validate_flow
 
     schema = parameter_schema(merge_checkpoint_flow.fn).model_dump()

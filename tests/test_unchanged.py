@@ -21,7 +21,7 @@ from mergeflow.demo.checkpoints import (
     save_fsdp_checkpoint,
 )
 from mergeflow.errors import ArtifactInvalidError, UnchangedWeightsError
-from mergeflow.export.unchanged import MANIFEST_FIELD, measure_unchanged
+from mergeflow.export.check.unchanged import MANIFEST_FIELD, measure_unchanged
 from mergeflow.formats.manifest import MANIFEST_NAME, check_manifest
 
 CLASS = "FluxTransformer2DModel"

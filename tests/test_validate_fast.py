@@ -16,7 +16,7 @@ from builders import make_export
 
 from mergeflow import merge_model, validate_artifact
 from mergeflow.errors import ArtifactInvalidError
-from mergeflow.export.artifact_check import (
+from mergeflow.export.check.artifact_check import (
     PARALLEL_HASH_MIN_BYTES,
     check_artifact,
     check_tree_and_hashes,

@@ -11,7 +11,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from mergeflow.demo.components import qwen25_vl_text_encoder, qwen_image_vae, write_extras
+from mergeflow.demo.components import (
+    qwen25_vl_text_encoder,
+    qwen_image_vae,
+    write_extras,
+)
 from mergeflow.demo.tokenizers import save_qwen2_tokenizer
 
 # Qwen-Image's released scheduler settings (only the class and these knobs matter here).

@@ -6,8 +6,11 @@ import shutil
 from pathlib import Path
 
 from mergeflow.errors import ArtifactInvalidError
-from mergeflow.export.artifact_check import list_tree, manifest_relpath
-from mergeflow.export.shard_writer import write_component_config, write_weight_index
+from mergeflow.export.check.artifact_check import list_tree, manifest_relpath
+from mergeflow.export.write.shard_writer import (
+    write_component_config,
+    write_weight_index,
+)
 from mergeflow.formats.manifest import (
     MANIFEST_NAME,
     SCHEMA_VERSION,
@@ -64,7 +67,7 @@ def build_manifest(
 ) -> JsonObject:
     """The manifest of SPEC section 5, built from records only (no absolute paths).
 
-    rank_digests maps every rank file name to its sha256 (see mergeflow.export.rank_index.hash_rank_file).
+    rank_digests maps every rank file name to its sha256 (see mergeflow.export.reconstruct.rank_index.hash_rank_file).
     """
     if set(rank_digests) != set(plan.checkpoint.rank_files):
         raise ArtifactInvalidError("the rank files hashed for the manifest are not the checkpoint's rank files")

@@ -37,7 +37,12 @@ from mergeflow.formats.dcp_layout import (
     not_a_dcp_dir,
     regular_file,
 )
-from mergeflow.formats.zip_records import ByteRange, StoredRecord, embedded_records, sha256_and_check
+from mergeflow.formats.zip_records import (
+    ByteRange,
+    StoredRecord,
+    embedded_records,
+    sha256_and_check,
+)
 from mergeflow.io.fs import HASH_BLOCK, FileStamp, sha256_file
 from mergeflow.io.stamped_cache import StampedCache
 

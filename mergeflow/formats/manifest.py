@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Collection
 from importlib import metadata
-from typing import Any, Literal, get_args
+from typing import Any
 
 from mergeflow.errors import ArtifactInvalidError
 from mergeflow.formats.safetensors_format import DTYPES
@@ -14,10 +15,8 @@ from mergeflow.io.paths import check_relative_name
 
 MANIFEST_NAME = "merge_manifest.json"
 SCHEMA_VERSION = 1
-ArtifactType = Literal["diffusers_pipeline", "diffusers_transformer", "minimax_h3_pipeline", "peft_adapter"]
-ARTIFACT_TYPES: tuple[str, ...] = get_args(ArtifactType)
-# The artifact types that are a whole pipeline (model_index.json at the root).
-PIPELINE_ARTIFACT_TYPES = ("diffusers_pipeline", "minimax_h3_pipeline")
+# The kind of artifact; its values are those of the registered outputs (mergeflow.outputs.registry).
+ArtifactType = str
 # Optional: present only when the unchanged-weights guard compared every tensor with the base (the
 # sample matched), so an ordinary export's manifest is byte-identical to one written without the guard.
 UNCHANGED_CHECK = "unchanged_check"
@@ -76,8 +75,12 @@ def _check_digest_map(name: str, value: JsonObject) -> None:
             raise ArtifactInvalidError(f"manifest {name}[{rel!r}] is not a sha256 hex digest")
 
 
-def check_manifest(data: Any) -> JsonObject:
-    """Schema and types of a manifest; returns it unchanged when valid."""
+def check_manifest(data: Any, artifact_types: Collection[str] | None = None) -> JsonObject:
+    """Schema and types of a manifest; returns it unchanged when valid.
+
+    `artifact_types`: the ones the registered outputs write (`test` passes them; the outputs live
+    above this module, so it does not import them).
+    """
     if not isinstance(data, dict):
         raise ArtifactInvalidError("merge_manifest.json is not a JSON object")
     for key, typ in _REQUIRED.items():
@@ -88,7 +91,7 @@ def check_manifest(data: Any) -> JsonObject:
             raise ArtifactInvalidError(f"merge_manifest.json: {key} has the wrong type ({type(value).__name__})")
     if data["schema_version"] != SCHEMA_VERSION:
         raise ArtifactInvalidError(f"manifest schema_version {data['schema_version']} is not supported (expected {SCHEMA_VERSION})")
-    if data["artifact_type"] not in ARTIFACT_TYPES:
+    if artifact_types is not None and data["artifact_type"] not in artifact_types:
         raise ArtifactInvalidError(f"manifest artifact_type {data['artifact_type']!r} is unknown")
     if data["backend"] != "fsdp":
         raise ArtifactInvalidError("manifest backend must be 'fsdp'")
@@ -128,7 +131,7 @@ def _check_source_model_config(smc: JsonObject) -> None:
 
 
 def _check_unchanged_check(value: Any) -> None:
-    """The optional unchanged-weights measurement (mergeflow/export/unchanged.py), when present."""
+    """The optional unchanged-weights measurement (mergeflow/export/check/unchanged.py), when present."""
     if value is None:
         return
     counts = value if isinstance(value, dict) and set(value) == {"compared_tensors", "differing_tensors"} else None

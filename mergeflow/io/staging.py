@@ -16,7 +16,13 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from mergeflow.errors import ConcurrentExportError, FileAccessError, MergeflowError, TargetExistsError, UsageError
+from mergeflow.errors import (
+    ConcurrentExportError,
+    FileAccessError,
+    MergeflowError,
+    TargetExistsError,
+    UsageError,
+)
 from mergeflow.io.fs import TargetLock
 from mergeflow.io.jsonfiles import is_partial_write
 from mergeflow.io.paths import STAGING_MARKER, lock_path_for

@@ -102,7 +102,7 @@ class CheckpointSource(ABC):
 
     @abstractmethod
     def preflight(self, config: ModelMergerConfig, directory: Path) -> list[Path]:
-        """The command line's refusals before Prefect or torch load (mergeflow.export.preflight); returns `listed_files`."""
+        """The command line's refusals before Prefect or torch load (mergeflow.export.plan.preflight); returns `listed_files`."""
 
     # --- metadata only: inspect and planning -------------------------------------------------------------
 

@@ -89,7 +89,7 @@ class DcpSources:
 
 def check_keys(checkpoint: DcpCheckpoint, expected: dict[str, tuple[int, ...]]) -> None:
     """The DCP must hold exactly the base's tensors (after wrapper stripping), with the same shapes."""
-    from mergeflow.export.reconstruct import check_coverage
+    from mergeflow.export.reconstruct.rebuild import check_coverage
 
     actual = {name: t.shape for name, t in checkpoint.tensors.items()}
     if not set(actual) & set(expected):
@@ -103,7 +103,7 @@ def read_tensor(chunks: DcpChunks, name: str) -> torch.Tensor:
     """One global tensor, assembled by reconstruct's path and round-trip verified chunk by chunk."""
     import torch
 
-    from mergeflow.export.reconstruct import (
+    from mergeflow.export.reconstruct.rebuild import (
         global_pieces,
         verified_chunks,
         verify_round_trip,
@@ -137,7 +137,7 @@ class DcpSource(CheckpointSource):
 
     def preflight(self, config: ModelMergerConfig, directory: Path) -> list[Path]:
         # Whether it holds LoRA is in `.metadata` (a pickle the flow reads): only what every branch checks.
-        from mergeflow.export import (
+        from mergeflow.export.plan import (
             preflight as checks,  # it imports this registry: hence here
         )
 

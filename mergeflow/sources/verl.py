@@ -95,7 +95,7 @@ class VerlSource(CheckpointSource):
 
     def preflight(self, config: ModelMergerConfig, directory: Path) -> list[Path]:
         # The shared checks live with the pre-flight (which imports this registry: hence here).
-        from mergeflow.export import preflight as checks
+        from mergeflow.export.plan import preflight as checks
 
         rank_files = self.listed_files(directory)
         has_meta = (directory / LORA_META).is_file()
@@ -108,7 +108,7 @@ class VerlSource(CheckpointSource):
 
     def describe(self, directory: Path, *, trust_checkpoint: bool = False) -> JsonObject:
         from mergeflow.architectures.schema import read_model_config
-        from mergeflow.export.layout import plan_layouts
+        from mergeflow.export.reconstruct.layout import plan_layouts
         from mergeflow.formats.rank_files import describe_state, load_rank_state
         from mergeflow.formats.safetensors_format import nbytes
 
@@ -151,7 +151,7 @@ class VerlSource(CheckpointSource):
         return OpenedCheckpoint(self, directory, names, fsdp.world_size, fsdp.version, keys, self.marker_files)
 
     def model_config_source(self, config: ModelMergerConfig, config_dir: Path, base: Path | None) -> ModelConfigSource:
-        # config_dir: --hf_model_config_path, else the checkpoint's huggingface/ (mergeflow.export.preflight.resolve_inputs)
+        # config_dir: --hf_model_config_path, else the checkpoint's huggingface/ (mergeflow.export.plan.preflight.resolve_inputs)
         return ModelConfigSource(config_dir / "config.json", VERL_CONFIG_PATH,
                                  "huggingface/config.json of the checkpoint", CheckpointError)
 
@@ -165,7 +165,7 @@ class VerlSource(CheckpointSource):
         return checkpoint.world_size
 
     def index_file(self, checkpoint: CheckpointInputs, unit: int, *, trust_checkpoint: bool = False) -> RankIndex:
-        from mergeflow.export.rank_index import index_rank_file
+        from mergeflow.export.reconstruct.rank_index import index_rank_file
 
         return index_rank_file(Path(checkpoint.actor_dir), checkpoint.rank_files[unit], unit, trust_checkpoint=trust_checkpoint)
 

@@ -16,8 +16,8 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
-from mergeflow.architectures.registry import PIPELINES, BaseLayout, detect_base
-from mergeflow.config import ModelMergerConfig
+from mergeflow.architectures.registry import BaseLayout, detect_base
+from mergeflow.config import DEFAULT_ADAPTER_FORMAT, ModelMergerConfig
 from mergeflow.errors import (
     BaseModelError,
     CheckpointError,
@@ -30,6 +30,7 @@ from mergeflow.io.jsonfiles import JsonObject, read_json_strict
 from mergeflow.io.os_errors import check_target_parent
 from mergeflow.io.paths import check_no_overlap
 from mergeflow.io.staging import check_target
+from mergeflow.outputs.registry import model_output
 from mergeflow.sources.registry import require_local_dir, source_for
 
 CHECKPOINT_CONFIG = "huggingface/config.json of the checkpoint"
@@ -63,18 +64,13 @@ def check_base_fits(config: ModelMergerConfig, base: Path) -> BaseLayout:
     """The base's layout, once its kind fits the output format and it has the component (merge and serve)."""
     layout = detect_base(base, config.component)
     check_output_format(config, layout)
-    arch = PIPELINES.get(layout.class_name) if layout.kind == "pipeline" else None
-    if config.output_format == "pipeline" and arch is not None and config.component not in arch.trainable:
-        raise UsageError(f"--component {config.component}: a {arch.pipeline_class} checkpoint can replace "
-                         f"{', '.join(arch.trainable)}")
+    model_output(config.output_format).check_component(config, layout)
     return layout
 
 
 def check_output_format(config: ModelMergerConfig, layout: BaseLayout) -> None:
-    """Pipeline output needs a pipeline base; say so before any work."""
-    if config.output_format == "pipeline" and layout.kind != "pipeline":
-        raise UsageError("--output_format pipeline needs a base pipeline (a directory with model_index.json); "
-                         "use --output_format transformer for a standalone transformer base")
+    """The output's need of the base (a pipeline output needs a pipeline base); said before any work."""
+    model_output(config.output_format).check_base(config, layout)
 
 
 def preflight_merge(config: ModelMergerConfig) -> list[Path]:
@@ -86,7 +82,9 @@ def preflight_merge(config: ModelMergerConfig) -> list[Path]:
     actor = Path(config.local_dir or "").expanduser().resolve()
     require_local_dir(actor)
     check_target_parent(Path(config.target_dir or ""))  # else the flow's first write says it, after a server start
-    from mergeflow.io.confinement import check_export_links  # links out of the inputs: refused before any read
+    from mergeflow.io.confinement import (
+        check_export_links,  # links out of the inputs: refused before any read
+    )
 
     check_export_links(config.local_dir, config.base_model, config.hf_model_config_path)
     return source_for(actor).preflight(config, actor)  # its own checks, from the shared ones below
@@ -94,7 +92,7 @@ def preflight_merge(config: ModelMergerConfig) -> list[Path]:
 
 def _check_lora_flag_values(config: ModelMergerConfig) -> None:
     """LoRA flags that contradict each other or name no file: refused whatever the checkpoint holds."""
-    if config.fuse_lora and config.adapter_format != "peft":
+    if config.fuse_lora and config.adapter_format != DEFAULT_ADAPTER_FORMAT:  # the flag given
         raise UsageError("--adapter-format chooses how an adapter is exported; with --fuse-lora no adapter is written")
     if config.adapter_config and not Path(config.adapter_config).expanduser().is_file():
         raise UsageError(f"--adapter-config {config.adapter_config} is not a file")
@@ -117,9 +115,8 @@ def _preflight_with_base(config: ModelMergerConfig) -> None:
     """Every export except a LoRA-only adapter needs a local base: paths, layout, classes."""
     paths = resolve_inputs(config)
     layout = check_base_fits(config, paths["base"])
-    arch = PIPELINES.get(layout.class_name) if layout.kind == "pipeline" else None
     actor_config = _read_config(paths["config_dir"] / "config.json", CheckpointError, CHECKPOINT_CONFIG)
-    if config.output_format == "transformer" or (arch is not None and arch.adapter.instantiates_model):
+    if model_output(config.output_format).compares_classes(config, layout):
         _check_same_diffusers_class(actor_config, paths["base"], layout)
 
 
@@ -145,8 +142,7 @@ def _preflight_dcp(config: ModelMergerConfig, actor: Path) -> None:
     if cfg_dir is not None:
         check_no_overlap({"--hf_model_config_path": cfg_dir, "--base_model": base})
         actor_config = _read_config(cfg_dir / "config.json", CheckpointError, "config.json of --hf_model_config_path")
-        arch = PIPELINES.get(layout.class_name) if layout.kind == "pipeline" else None
-        if config.output_format == "transformer" or (arch is not None and arch.adapter.instantiates_model):
+        if model_output(config.output_format).compares_classes(config, layout):
             _check_same_diffusers_class(actor_config, base, layout)
 
 
@@ -167,8 +163,7 @@ def _preflight_maybe_adapter(config: ModelMergerConfig, actor: Path) -> None:
     base = base_arg.resolve()
     check_no_overlap({"--local_dir": actor, "--base_model": base, "--target_dir": target})
     layout = detect_base(base, config.component)
-    arch = PIPELINES.get(layout.class_name) if layout.kind == "pipeline" else None
-    if config.output_format == "transformer" or (arch is not None and arch.adapter.instantiates_model):
+    if model_output(config.output_format).compares_classes(config, layout):
         _check_same_diffusers_class(actor_config, base, layout)
 
 

@@ -7,14 +7,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from mergeflow.errors import BaseModelError, LoraError
-from mergeflow.export.reconstruct import check_coverage, output_dtype
+from mergeflow.export.reconstruct.rebuild import check_coverage, output_dtype
 from mergeflow.formats.weight_index import read_weight_headers
 from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.lora.config import peft_adapter_config
-from mergeflow.lora.export import (
-    diffusers_lora_keys,
-    peft_adapter_keys,
-)
 from mergeflow.lora.keys import (
     base_state_keys,
     group_adapters,
@@ -28,6 +24,7 @@ from mergeflow.lora.plan import (
     default_scaling,
     validate_all_adapters,
 )
+from mergeflow.outputs.registry import adapter_output
 from mergeflow.records import (
     BaseCopy,
     BaseModelSource,
@@ -59,13 +56,7 @@ def plan_lora_export(plan: MergePlan, layouts: dict[str, TensorLayout]) -> LoraP
     config: JsonObject | None = None
     if not spec.fuse:
         config = peft_adapter_config(settings, target_modules(selected), spec.base_model_name_or_path, saved or None)
-        if spec.adapter_format == "diffusers":
-            if saved:
-                raise LoraError(f"adapter {spec.adapter_name!r} has modules_to_save ({', '.join(sorted(saved))}), "
-                                "which Diffusers' LoRA format cannot carry; export it in PEFT format")
-            adapter_keys = diffusers_lora_keys(selected)
-        else:
-            adapter_keys = peft_adapter_keys(selected, saved)
+        adapter_keys = adapter_output(spec.adapter_format).adapter_keys(spec.adapter_name, selected, saved)
     overrides = saved_module_overrides(keys, spec.adapter_name) if spec.fuse and spec.layout == FULL_STATE else {}
     return LoraPlan(
         adapter_name=spec.adapter_name,

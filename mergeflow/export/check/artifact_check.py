@@ -14,30 +14,21 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
-from mergeflow.architectures.contract import check_pipeline_artifact
 from mergeflow.errors import ArtifactInvalidError
-from mergeflow.formats.manifest import (
-    MANIFEST_NAME,
-    PIPELINE_ARTIFACT_TYPES,
-    check_manifest,
-)
-from mergeflow.formats.safetensors_format import nbytes
-from mergeflow.formats.weight_index import WEIGHT_NAMES, has_weights, read_weights
-from mergeflow.io.config_paths import is_config_json
+from mergeflow.formats.manifest import MANIFEST_NAME, check_manifest
 from mergeflow.io.fs import FileStamp, sha256_file
 from mergeflow.io.jsonfiles import (
     JsonObject,
     dumps_canonical,
     parse_json_strict,
-    read_json_strict,
 )
 from mergeflow.io.staging import artifact_root, is_staging_dir
 from mergeflow.lora.artifact import (
     ADAPTER_DIR,
     ADAPTER_MANIFEST,
     adapter_only_root,
-    check_adapter_weights,
 )
+from mergeflow.outputs.registry import artifact_types, output_for_manifest
 
 if TYPE_CHECKING:  # records pull in the rank-file loader (torch); `test` needs only their shape
     from mergeflow.records import VerifiedFile
@@ -134,55 +125,6 @@ def _unchanged(path: Path, verified: VerifiedFile) -> bool:
         return False
 
 
-def check_weights(tensor_dir: Path, rel_prefix: str, tensors: JsonObject) -> int:
-    """The weight files (single or indexed) hold exactly the manifest's tensors."""
-    weights_name = next((name for name in WEIGHT_NAMES if has_weights(tensor_dir, name)), None)
-    if weights_name is None:
-        raise ArtifactInvalidError(f"{rel_prefix or '.'}/ holds no weights file")
-    stored = read_weights(tensor_dir, weights_name, ArtifactInvalidError, "the artifact")
-    # mergeflow's writer promises more than a base must keep: `format: pt` (what Diffusers and
-    # Transformers expect of a torch file) and an index total_size equal to the shards' bytes.
-    for file_name, metadata in sorted(stored.metadata.items()):
-        if metadata.get("format") != "pt":
-            raise ArtifactInvalidError(f"{file_name}: header metadata lacks format 'pt'")
-    found = stored.headers()
-    if stored.index is not None:
-        total = stored.total_size
-        if not isinstance(total, int) or isinstance(total, bool):
-            raise ArtifactInvalidError(f"{stored.index} must hold metadata.total_size and weight_map")
-        if total != sum(nbytes(d, s) for d, s in found.values()):
-            raise ArtifactInvalidError(f"{stored.index} total_size {total} does not match the shards")
-    if set(found) != set(tensors):
-        extra, missing = sorted(set(found) - set(tensors)), sorted(set(tensors) - set(found))
-        raise ArtifactInvalidError(f"weights and manifest disagree on the tensor set (extra {extra[:3]}, missing {missing[:3]})")
-    for key, (dtype, shape) in found.items():
-        info = tensors[key]
-        if info["dtype"] != dtype or list(shape) != info["shape"]:
-            raise ArtifactInvalidError(f"{key} is {dtype}{list(shape)} in the weights but {info['dtype']}{info['shape']} in the manifest")
-    return len(found)
-
-
-def check_configs(root: Path, manifest: JsonObject) -> None:
-    """The root config names the manifest's architecture; no config leaks a local path."""
-    if manifest["artifact_type"] == "peft_adapter":
-        return
-    if manifest["artifact_type"] in PIPELINE_ARTIFACT_TYPES:
-        check_pipeline_artifact(root, manifest)  # the (modular) model_index.json and every declared component
-    else:
-        data = read_json_strict(root / "config.json", ArtifactInvalidError, "config.json")
-        if not isinstance(data, dict) or data.get("_class_name") != manifest["architecture"]:
-            raise ArtifactInvalidError(f"config.json names {data.get('_class_name') if isinstance(data, dict) else None!r}, "
-                                  f"but the manifest says {manifest['architecture']!r}")
-    tensor_dir = root / manifest["tensor_directory"]
-    if not (tensor_dir / "config.json").is_file():
-        raise ArtifactInvalidError(f"{manifest['tensor_directory']}/config.json is missing")
-    for rel in manifest["files"]:
-        if is_config_json(rel):
-            cfg = read_json_strict(root / rel, ArtifactInvalidError, rel)
-            if isinstance(cfg, dict) and ("_name_or_path" in cfg or "name_or_path" in cfg):
-                raise ArtifactInvalidError(f"{rel} still holds _name_or_path (a local path)")
-
-
 def manifest_relpath(root: Path) -> str:
     """Where an artifact's manifest is: at its root, or in lora_adapter/ for a LoRA-only adapter export."""
     return ADAPTER_MANIFEST if adapter_only_root(root) is not None else MANIFEST_NAME
@@ -217,17 +159,14 @@ def validate_artifact_dir(root: Path, verified: Mapping[str, VerifiedFile] | Non
     manifest_path = root / MANIFEST_NAME
     if manifest_path.is_symlink() or not manifest_path.is_file():
         raise ArtifactInvalidError(f"{root.name} has no {MANIFEST_NAME}; is it a mergeflow artifact?")
-    manifest = check_manifest(read_canonical_manifest(manifest_path))
+    manifest = check_manifest(read_canonical_manifest(manifest_path), artifact_types())
     check_tree_and_hashes(root, manifest["files"], verified=verified)
-    check_configs(root, manifest)
-    tensor_dir = root / manifest["tensor_directory"]
-    prefix = "" if manifest["tensor_directory"] == "." else manifest["tensor_directory"]
-    if manifest["artifact_type"] == "peft_adapter":
-        count = check_adapter_weights(root, manifest)
-    else:
-        count = check_weights(tensor_dir, prefix, manifest["tensors"]) if manifest["tensors"] else 0
+    output = output_for_manifest(manifest)  # the kind of artifact: its own configs and weights are checked
+    output.check_configs(root, manifest)
+    count = output.check_weights(root, manifest)
     if ADAPTER_MANIFEST in manifest["files"]:  # an exported adapter beside the model: an artifact of its own
-        if validate_artifact_dir(root / ADAPTER_DIR, _below(verified, ADAPTER_DIR)).artifact_type != "peft_adapter":
+        inner = validate_artifact_dir(root / ADAPTER_DIR, _below(verified, ADAPTER_DIR))
+        if output_for_manifest(inner.manifest).nested_dir != ADAPTER_DIR:
             raise ArtifactInvalidError(f"{ADAPTER_DIR}/ holds an artifact that is not a peft_adapter")
     return ArtifactSummary(manifest["architecture"], manifest["artifact_type"], len(manifest["files"]) + 1, count, manifest)
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from mergeflow.architectures.registry import BaseLayout, adapter_of, detect_base
 from mergeflow.architectures.schema import model_schema, read_model_config
-from mergeflow.config import ModelMergerConfig
+from mergeflow.config import DEFAULT_ADAPTER_FORMAT, ModelMergerConfig
 from mergeflow.errors import BaseModelError, CheckpointError, LoraError, UsageError
-from mergeflow.export.targets import TargetSchema, diffusers_schema
+from mergeflow.export.plan.targets import TargetSchema, diffusers_schema
 from mergeflow.formats.verl_checkpoint import LORA_META
 from mergeflow.formats.weight_index import read_weight_map
 from mergeflow.io.fs import FileStamp, sha256_file
@@ -26,16 +26,16 @@ from mergeflow.lora.config import (
     load_adapter_settings,
     load_train_meta,
 )
-from mergeflow.lora.export import DIFFUSERS_LORA_WEIGHTS_NAME, PEFT_ADAPTER_WEIGHTS_NAME
 from mergeflow.lora.keys import LoraLayout, classify, group_adapters, require_adapter
 from mergeflow.lora.plan import FULL_STATE, LORA_ONLY, LoraSpec, base_model_reference
+from mergeflow.outputs.registry import adapter_output
 from mergeflow.records import BaseInputs
 from mergeflow.sources.base import OpenedCheckpoint
 
 
 def adapter_weights_name(adapter_format: str) -> str:
     """The weight file of an exported adapter in the chosen format."""
-    return DIFFUSERS_LORA_WEIGHTS_NAME if adapter_format == "diffusers" else PEFT_ADAPTER_WEIGHTS_NAME
+    return adapter_output(adapter_format).weights_name
 
 
 def _refuse_lora_flags(config: ModelMergerConfig) -> None:
@@ -111,7 +111,7 @@ def detect_lora(config: ModelMergerConfig, checkpoint: OpenedCheckpoint) -> Lora
     meta = load_train_meta(actor / LORA_META) if has_meta else None
     grouped = group_adapters(keys)
     require_adapter(grouped, config.adapter_name)
-    if config.fuse_lora and config.adapter_format != "peft":
+    if config.fuse_lora and config.adapter_format != DEFAULT_ADAPTER_FORMAT:  # the flag given
         raise UsageError("--adapter-format chooses how an adapter is exported; with --fuse-lora no adapter is written")
     settings, origin, path = _settings(config, actor, meta)
     source_files = {LORA_META: sha256_file(actor / LORA_META)} if has_meta else {}
@@ -219,7 +219,8 @@ def adapter_target(config: ModelMergerConfig, spec: LoraSpec, base: Path | None,
         base_inputs = BaseInputs(base_dir="", kind="hub", component_dir="", files=base_files)
     target = TargetSchema(
         architecture=schema.class_name, transformer_class=schema.class_name, component_dir=Path(base_inputs.component_dir),
-        tensor_directory=".", artifact_type="peft_adapter", weights_name=adapter_weights_name(spec.adapter_format),
-        expected_shapes=schema.tensors, keep_fp32=schema.keep_fp32, base_files=base_files, base_stamps={},
+        tensor_directory=".", artifact_type=adapter_output(spec.adapter_format).artifact_types[0],
+        weights_name=adapter_weights_name(spec.adapter_format), expected_shapes=schema.tensors, keep_fp32=schema.keep_fp32,
+        base_files=base_files, base_stamps={}, output=adapter_output(spec.adapter_format).name,
     )
     return target, base_inputs, replace(spec, base_model_name_or_path=reference)

@@ -19,22 +19,23 @@ from mergeflow.architectures.schema import (
 )
 from mergeflow.config import ModelMergerConfig
 from mergeflow.errors import BaseModelError, MergeflowError
-from mergeflow.export.lora_detect import (
-    adapter_target,
-    detect_lora,
-    finish_lora_spec,
-    lora_input_files,
-    resolve_adapter_inputs,
-)
-from mergeflow.export.preflight import check_output_format, resolve_inputs
-from mergeflow.export.targets import TargetSchema, pipeline_target, transformer_target
+from mergeflow.export.plan.preflight import check_output_format, resolve_inputs
+from mergeflow.export.plan.targets import TargetSchema
 from mergeflow.formats.manifest import fingerprint
 from mergeflow.io.confinement import check_export_links
 from mergeflow.io.fs import FileStamp, sha256_file
 from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.io.paths import lock_path_for, resolved_path_options, staging_dir_for
 from mergeflow.io.prefetch import DigestPrefetch
+from mergeflow.lora.detect import (
+    adapter_target,
+    detect_lora,
+    finish_lora_spec,
+    lora_input_files,
+    resolve_adapter_inputs,
+)
 from mergeflow.lora.plan import LoraSpec
+from mergeflow.outputs.registry import model_output
 from mergeflow.records import (
     BaseInputs,
     CheckpointInputs,
@@ -109,7 +110,7 @@ def build_plan(config: ModelMergerConfig) -> MergePlan:
                             artifact_type=schema.artifact_type, architecture=schema.architecture,
                             transformer_class=schema.transformer_class, component=config.component,
                             tensor_directory=schema.tensor_directory, weights_name=schema.weights_name,
-                            expected_shapes=schema.expected_shapes, keep_fp32=schema.keep_fp32),
+                            expected_shapes=schema.expected_shapes, keep_fp32=schema.keep_fp32, kind=schema.output),
         input_stamps=stamps,
         fingerprint=fp,
         lora=decided.lora,
@@ -125,10 +126,7 @@ def _model_export(config: ModelMergerConfig, lora: LoraSpec | None, base: Path, 
     actor_config = read_model_config(model_config.path, model_config.error, model_config.what)
     budget = TensorBudget.for_checkpoint(held, actor_config, _base_config_if_readable(layout.transformer_dir / "config.json"))
     with tensor_budget(budget):
-        if config.output_format == "pipeline":
-            schema = pipeline_target(config, base, actor_config)
-        else:
-            schema = transformer_target(base, layout, actor_config)
+        schema = model_output(config.output_format).target(config, base, layout, actor_config)
     stamps = dict(schema.base_stamps)
     files = dict(schema.base_files)
     if lora is not None:

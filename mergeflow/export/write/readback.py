@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from mergeflow.errors import CheckpointError
-from mergeflow.export.reconstruct import (
+from mergeflow.export.reconstruct.rebuild import (
     PieceSource,
     all_finite,
     primary_chunks,

@@ -5,10 +5,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from mergeflow.errors import ArtifactInvalidError, InputChangedError
-from mergeflow.export.artifact_check import manifest_relpath, validate_artifact_dir
+from mergeflow.errors import InputChangedError
+from mergeflow.export.check.artifact_check import (
+    manifest_relpath,
+    validate_artifact_dir,
+)
 from mergeflow.io.fs import FileStamp, sha256_file
 from mergeflow.io.jsonfiles import JsonObject
+from mergeflow.outputs.registry import output_of
 from mergeflow.records import MergePlan, ValidationReport, VerifiedFile
 
 
@@ -24,23 +28,8 @@ def check_inputs_unchanged(plan: MergePlan) -> None:
 
 
 def check_loadable(plan: MergePlan, tensors: JsonObject) -> None:
-    """What from_pretrained needs: the staged config builds the class with exactly these tensors."""
-    from mergeflow.architectures.schema import (  # diffusers, unless the schema is cached
-        model_schema,
-        read_model_config,
-    )
-
-    if plan.output.artifact_type != "diffusers_transformer" and plan.output.tensor_directory == ".":
-        return
-    if plan.conversion.output_shapes is not None:  # a converted or remote-code schema, fixed at inspect
-        if {k: list(v) for k, v in plan.conversion.output_shapes.items()} != {k: v["shape"] for k, v in tensors.items()}:
-            raise ArtifactInvalidError("the staged weights do not match the schema planned for this artifact")
-        return
-    config = read_model_config(Path(plan.output.tensor_dir) / "config.json", ArtifactInvalidError, "staged config.json")
-    want = {k: list(v) for k, v in model_schema(plan.output.transformer_class, config).tensors.items()}
-    have = {k: v["shape"] for k, v in tensors.items()}
-    if want != have:
-        raise ArtifactInvalidError("the staged weights do not match what the staged config builds")
+    """What the output needs to load: for a model, the staged config builds the class with exactly these tensors."""
+    output_of(plan).check_staged(plan, tensors)
 
 
 def validate_staged(plan: MergePlan, manifest: JsonObject,

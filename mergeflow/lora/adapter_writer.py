@@ -6,23 +6,17 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from mergeflow.export.lora_detect import adapter_weights_name
 from mergeflow.export.publish import build_manifest
-from mergeflow.export.reconstruct import output_dtype
-from mergeflow.export.shard_writer import HEADER_METADATA, write_shard_file
+from mergeflow.export.reconstruct.rebuild import output_dtype
 from mergeflow.formats.manifest import MANIFEST_NAME, fingerprint
 from mergeflow.formats.safetensors_format import nbytes
 from mergeflow.io.fs import sha256_file
 from mergeflow.io.jsonfiles import JsonObject, write_bytes_durable, write_json_durable
 from mergeflow.lora.artifact import ADAPTER_DIR
-from mergeflow.lora.config import ADAPTER_CONFIG_NAME
-from mergeflow.lora.export import (
-    adapter_config_json,
-    diffusers_lora_metadata,
-)
 from mergeflow.lora.plan import (
     LoraPlan,
 )
+from mergeflow.outputs.registry import adapter_output
 from mergeflow.records import (
     FileRecord,
     MergePlan,
@@ -54,10 +48,9 @@ def _adapter_shard(plan: MergePlan, lora: LoraPlan, layouts: dict[str, TensorLay
         TensorWrite(out, src, layouts[src], output_dtype(out, layouts[src].dtype, policy, keep))
         for out, src in sorted(lora.adapter_keys.items())
     )
-    metadata = dict(HEADER_METADATA)
-    if lora.adapter_format == "diffusers":
-        metadata = diffusers_lora_metadata(lora.adapter_config or {})
-    name = adapter_weights_name(lora.adapter_format)
+    output = adapter_output(lora.adapter_format)
+    metadata = output.header_metadata(lora.adapter_config or {})
+    name = output.weights_name
     body = [asdict(tw) for tw in writes]
     return ShardPlan(
         index=0,
@@ -73,7 +66,9 @@ def _adapter_manifest(plan: MergePlan, lora: LoraPlan, rank_digests: dict[str, s
                       files: list[FileRecord]) -> JsonObject:
     spec = plan.lora
     # The adapter directory is an artifact of its own: tensors at its root, its own file list.
-    own = replace(plan, output=replace(plan.output, artifact_type="peft_adapter", tensor_directory="."))
+    output = adapter_output(lora.adapter_format)
+    own = replace(plan, output=replace(plan.output, artifact_type=output.artifact_types[0], tensor_directory=".",
+                                       kind=output.name))
     manifest = build_manifest(own, rank_digests, [shard], files, {"removed_keys": {}})
     manifest["lora_adapter"] = {
         "adapter_name": lora.adapter_name,
@@ -98,12 +93,11 @@ def write_adapter(plan: MergePlan, lora: LoraPlan, layouts: dict[str, TensorLayo
     work.mkdir(parents=True, exist_ok=True)
     states = open_pieces(plan.checkpoint, trust_checkpoint=plan.options.trust_checkpoint)
     shard = _adapter_shard(plan, lora, layouts)
-    record = write_shard_file(shard, states, out_dir, work)
+    record = adapter_output(lora.adapter_format).writer.write_file(shard, states, out_dir, work)
     files: list[FileRecord] = []
-    if lora.adapter_format == "peft":
-        raw = (adapter_config_json(lora.adapter_config or {}) + "\n").encode("utf-8")
-        write_bytes_durable(out_dir / ADAPTER_CONFIG_NAME, raw)
-        files.append(FileRecord(ADAPTER_CONFIG_NAME, sha256_file(out_dir / ADAPTER_CONFIG_NAME), len(raw), "written"))
+    for file_name, raw in adapter_output(lora.adapter_format).extra_files(lora.adapter_config or {}):
+        write_bytes_durable(out_dir / file_name, raw)
+        files.append(FileRecord(file_name, sha256_file(out_dir / file_name), len(raw), "written"))
     manifest = _adapter_manifest(plan, lora, rank_digests, record, files)
     data = write_json_durable(out_dir / MANIFEST_NAME, manifest, indent=2)
     listed = [(record.file_name, record.sha256, record.size)] + [(f.rel_path, f.sha256, f.size) for f in files]

@@ -13,7 +13,9 @@ from mergeflow.architectures.schema import is_kept_in_fp32
 from mergeflow.errors import CastError, CheckpointError, SchemaMismatchError
 from mergeflow.formats.safetensors_format import torch_dtype
 from mergeflow.records import MergePlan, TensorLayout, TensorWrite
-from mergeflow.sources.base import PieceSource  # the piece reader: verl's RankStates, a DCP's chunks
+from mergeflow.sources.base import (
+    PieceSource,  # the piece reader: verl's RankStates, a DCP's chunks
+)
 
 FLOATING = {"float64", "float32", "float16", "bfloat16"}
 _CHECK_ELEMENTS = 1 << 24  # finiteness is checked in slices so no full-size temporary exists
@@ -188,7 +190,7 @@ def strip_wrappers(key: str) -> str:
 
 
 def plan_tensor_writes(plan: MergePlan, layouts: dict[str, TensorLayout]) -> list[TensorWrite]:
-    """One write per checkpoint tensor (`layouts`: see mergeflow.export.layout.rank_layouts), checked
+    """One write per checkpoint tensor (`layouts`: see mergeflow.export.reconstruct.layout.rank_layouts), checked
     against the base schema: exact coverage and shapes."""
     by_name: dict[str, TensorLayout] = {}
     for key, layout in layouts.items():

@@ -16,7 +16,7 @@ import torch
 
 from mergeflow.architectures.conversions import apply_transform
 from mergeflow.errors import CheckpointError, InputChangedError
-from mergeflow.export.reconstruct import (
+from mergeflow.export.reconstruct.rebuild import (
     PieceSource,
     bits,
     cast,

@@ -12,10 +12,8 @@ from pathlib import Path
 import torch
 
 from mergeflow.errors import CheckpointError
-from mergeflow.export.lora_fusion import transformed_tensor, verify_transformed
 from mergeflow.export.progress import WRITE_PROGRESS
-from mergeflow.export.readback import FollowingReadBack, read_exact
-from mergeflow.export.reconstruct import (
+from mergeflow.export.reconstruct.rebuild import (
     PieceSource,
     global_pieces,
     is_cast_in_rank_order,
@@ -24,6 +22,7 @@ from mergeflow.export.reconstruct import (
     verified_chunks,
     verify_round_trip,
 )
+from mergeflow.export.write.readback import FollowingReadBack, read_exact
 from mergeflow.formats.manifest import fingerprint
 from mergeflow.formats.safetensors_format import (
     DTYPES,
@@ -40,6 +39,7 @@ from mergeflow.io.jsonfiles import write_bytes_durable, write_json_durable
 from mergeflow.io.os_errors import name_written_file, typed_os_error
 from mergeflow.io.staging import file_stamp
 from mergeflow.io.streamio import BackgroundFlush, HashingWriter
+from mergeflow.lora.fusion import transformed_tensor, verify_transformed
 from mergeflow.records import OutputPlan, ShardPlan, ShardRecord, TensorWrite
 
 WRITE_BLOCK = 16 * 1024 * 1024

@@ -1,0 +1,1 @@
+"""Rebuilding global tensors from rank pieces, proven by a round trip: layouts, rank indexes, reconstruction."""

@@ -1,0 +1,1 @@
+"""Writing the artifact's files: streamed safetensors shards, copied base files, and reading them back."""
