@@ -32,6 +32,7 @@ import concurrent.futures
 import contextlib
 import copy
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -743,7 +744,9 @@ def install_ref(ref: str, sha: str, root: Path) -> Path:
     root.mkdir()
     _git("worktree", "add", "--detach", str(worktree), sha)
     print(f"[{ref}] {sha[:12]}: pip install --no-deps --target {site}", file=sys.stderr, flush=True)
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+    # Offline when this Python can build the wheel itself; else pip fetches setuptools and wheel to build it.
+    isolation = [] if importlib.util.find_spec("wheel") is None else ["--no-build-isolation"]
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", *isolation,
                            "--no-compile", "--target", str(site), str(worktree)], check=False, capture_output=True, text=True,
                           cwd=root, env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
     if done.returncode != 0:
