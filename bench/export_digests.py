@@ -1,28 +1,74 @@
 """Behaviour-preservation check for refactors: the same inputs must export to byte-identical artifacts.
 
-This is not a benchmark: nothing here is timed. It answers one question, "does this version of
-mergeflow write exactly the bytes that an older one wrote?", with three steps:
+This is not a benchmark. It answers one question, "does this version of mergeflow write exactly
+the bytes that an older one wrote?". One command does it all for two commits:
+
+    python bench/export_digests.py ab REF_A REF_B [--inputs DIR] [--jobs N] [--only CASE...] [--keep]
+        `git worktree add --detach` both refs in a temp dir, `pip install --no-deps --target SITE`
+        each (as bench/ab_compare.py expects), build the inputs once with the CURRENT tree's
+        builders (or reuse DIR when it holds cases.json), start one Prefect server, export every
+        case with each site (PYTHONPATH=SITE, every mergeflow module checked to come from SITE),
+        the two sides at once, N merges per side; print a table (case, files A/B, identical) and
+        every difference, and exit 1 on any difference or failed merge. The worktrees and (unless
+        --keep) the outputs are removed at the end.
+
+or step by step:
 
     python bench/export_digests.py build INPUTS_DIR
-        Build a handful of tiny, real input checkpoints once (FSDP2 rank files written by the
-        test fixture builders in tests/ and mergeflow.demo.checkpoints), plus INPUTS_DIR/cases.json:
-        per case a name and the exact `python -m mergeflow merge` argument list. Paths in it are
-        written as "{inputs}/..." and resolved against INPUTS_DIR when exported.
+        Build every case's tiny, real input checkpoint once, plus INPUTS_DIR/cases.json: per case
+        a name and the exact `python -m mergeflow merge` argument list. Paths in it are written as
+        "{inputs}/..." and resolved against INPUTS_DIR when exported.
 
-    [PYTHONPATH=OLD_SITE] python bench/export_digests.py export INPUTS_DIR OUT_DIR DIGESTS.json
+    [PYTHONPATH=OLD_SITE] python bench/export_digests.py export INPUTS_DIR OUT_DIR DIGESTS.json [--jobs N]
         Run every case as its own `python -m mergeflow merge ... --target_dir OUT_DIR/<case>`
-        subprocess (offline, a private PREFECT_HOME and schema cache per case, PYTHONPATH
-        inherited so that an older mergeflow installed elsewhere can be put first), fail loudly on
-        any non-zero exit, and write DIGESTS.json: case -> {relative file path: sha256} of every
-        file of the output. Which mergeflow the subprocesses imported is printed and written
+        subprocess (offline, a private PREFECT_HOME and schema cache per case, one shared Prefect
+        server: PREFECT_API_URL's, else one started here; PYTHONPATH inherited so that an older
+        mergeflow installed elsewhere can be put first), and write DIGESTS.json: case ->
+        {relative file path: sha256} of every file of the output. A failed merge is printed with its
+        output and makes the exit status 1. Which mergeflow the subprocesses imported is written
         beside it as DIGESTS.origin.json; --expect-mergeflow-under DIR makes a mismatch fatal.
 
     python bench/export_digests.py compare A.json B.json [--outputs A_OUT B_OUT]
         Print every difference (missing case, missing file, different digest) and exit 1 if there
         is any. With --outputs, differing JSON files are also diffed key by key.
 
-`build` needs the current tree (it imports tests/ and mergeflow.demo); `export` and `compare` use
-only the standard library, so the driver itself never imports the mergeflow under test.
+What counts as "the same": every byte of every published file. The one exception is the value of
+`producer.mergeflow` in each merge_manifest.json (mergeflow/formats/manifest.py producer_versions()):
+when the two versions are equal the manifest must be byte-identical; when they differ, it must be
+byte-identical once that one value is replaced by a placeholder (the cut is checked to change
+nothing else). A manifest that lists the digest of another manifest (a pipeline's
+lora_adapter/merge_manifest.json) then still differs, in that digest: the tool reports it.
+
+The cases (`build`; inputs from the test suite's own builders, imported, never copied):
+  rank-file layouts (tiny Flux, transformer output): FSDP2 W=1, 2, 4 (fake process group); HSDP 2x2
+    (2-D mesh); one plain unsharded rank file; FSDP2 files labelled "FSDP_version": 1; real FSDP1
+    FULL_SHARD W=3 and HYBRID_SHARD 2x2 with bf16 mixed precision (gloo processes,
+    tests/fixtures/fsdp1_writers.py);
+  dtypes and sharding: preserve (float32 and bfloat16 masters), bfloat16, float16, float32 (up from
+    bfloat16), --max_shard_size splitting into several shards and an index;
+  torch DCP (gloo, tests/fixtures/dcp_writers.py): accelerate's `model.`-prefixed save W=3 into a
+    transformer and into a bfloat16 4 KiB-sharded Flux pipeline with --hf_model_config_path; a
+    bfloat16 PEFT model's DCP (`base_model.model.` keys) fused and as an adapter, --adapter-config;
+  every architecture of tests/test_pipelines.py CASES, pipeline output: Qwen-Image, Qwen-Image-Edit,
+    Qwen-Image-Edit-Plus, SD3.5, Flux, Flux schnell, Wan2.1, Wan2.2, LTX-2; Wan2.2's transformer_2
+    (--component); Boogu (remote code, --trust-remote-code); a transformer out of a pipeline base;
+  MiniMax H3: the native package (converted) with --qkv-layout interleaved, and stacked in bfloat16;
+    Diffusers' modular layout (unconverted);
+  LoRA (tests/lora_builders.py, adapters `default` and `old`): full state as a PEFT adapter, as a
+    Diffusers-format adapter (--adapter-format diffusers, --adapter-name old), fused (--fuse-lora);
+    into a Flux pipeline with a PEFT adapter, a Diffusers adapter, and fused; save_lora_only with a
+    Hub-id base and with a local base; Qwen-Image with a modules_to_save copy; tests/test_lora_export.py
+    VARIANTS (DoRA + rsLoRA + rank/alpha patterns, lora_B biases) with --adapter-config.
+Not covered, and why: uploads (--hf_upload_path: they publish the same local files first, and
+need a Hub); --task-runner dask and --workers N (the same writers in another scheduler: shard
+bytes do not depend on it, and a Dask cluster per run would double the time); --allow-unchanged on an
+untrained checkpoint (a refusal path whose publish is an ordinary one); the LoRA conv targets of
+Wan / SD3 (tests/test_lora_export.py CASES: the same adapter writer, left out for run time);
+interrupted and resumed exports (tests/test_crash_recovery.py proves they resume to the same bytes).
+
+`build` needs the current tree (it imports tests/ and mergeflow.demo); `export`, `compare` and
+`ab`'s driver use only the standard library (and Prefect's CLI for the server), so the driver
+itself never imports the mergeflow under test.
 """
 
 from __future__ import annotations
