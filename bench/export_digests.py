@@ -621,7 +621,8 @@ def export_all(inputs: Path, out_dir: Path, expect_under: Path | None, only: Seq
         print(f"mergeflow under test: {_summary(origin)}", file=sys.stderr, flush=True)
         if expect_under is not None:
             check_origin(origin, expect_under)
-        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs))
+        try:
             futures = {case.name: pool.submit(run_case, case, inputs, out_dir, scratch, extra) for case in cases}
             digests: Digests = {}
             failures: dict[str, str] = {}
@@ -631,6 +632,9 @@ def export_all(inputs: Path, out_dir: Path, expect_under: Path | None, only: Seq
                 except CaseFailed as err:
                     print(err, file=sys.stderr, flush=True)
                     failures[name] = str(err).splitlines()[-1][:300]
+                print(f"[{name}] {'FAILED' if name in failures else 'done'}", file=sys.stderr, flush=True)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)  # interrupted: the queued cases never start
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     origin["failed_cases"] = failures
