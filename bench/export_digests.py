@@ -88,6 +88,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
@@ -98,7 +99,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 CASES_FILE = "cases.json"
 PLACEHOLDER = "{inputs}"
-MERGE_TIMEOUT_S = 600
+MERGE_TIMEOUT_S = 1800  # a tiny merge takes seconds alone, minutes on two busy cores
+# Set when the run is interrupted; the merge processes running now (see stop_running).
+STOP = threading.Event()
+_RUNNING: set[subprocess.Popen[str]] = set()
+_RUNNING_LOCK = threading.Lock()
 SERVER_STARTUP_S = 300
 # mergeflow/formats/manifest.py: MANIFEST_NAME, and producer_versions() under "producer", keyed by
 # distribution name. Spelled out here because the driver never imports the mergeflow under test.
@@ -497,16 +502,30 @@ def _summary(origin: dict[str, Any]) -> str:
 
 
 def run_case(case: Case, inputs: Path, out_dir: Path, scratch: Path, extra: Mapping[str, str]) -> Path:
-    """Run one case's merge command; raise SystemExit with its output if it fails."""
+    """Run one case's merge command; raise CaseFailed with its output if it fails."""
     target = out_dir / case.name
     work = scratch / case.name
     work.mkdir()
     # A neutral working directory: `python -m` puts it first on sys.path, and the repository root
     # would shadow the mergeflow that PYTHONPATH selects.
     command = [sys.executable, "-m", "mergeflow", "merge", *case.resolved(inputs), "--target_dir", str(target)]
+    if STOP.is_set():
+        raise CaseFailed(f"[{case.name}] not run: the export was interrupted")
     print(f"[{case.name}] {' '.join(command[1:])}", file=sys.stderr, flush=True)
-    done = subprocess.run(command, cwd=work, env=child_env(work, extra), check=False, capture_output=True, text=True,
-                          timeout=MERGE_TIMEOUT_S)
+    with subprocess.Popen(command, cwd=work, env=child_env(work, extra), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as process:
+        with _RUNNING_LOCK:
+            _RUNNING.add(process)
+        try:
+            stdout, stderr = process.communicate(timeout=MERGE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            stdout, stderr = process.communicate()
+            stderr += f"\n(killed after {MERGE_TIMEOUT_S} s)"
+        finally:
+            with _RUNNING_LOCK:
+                _RUNNING.discard(process)
+    done = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
     if done.returncode != 0:
         raise CaseFailed(
             f"[{case.name}] merge exited {done.returncode}\n--- stdout ---\n{done.stdout[-4000:]}\n"
@@ -524,6 +543,20 @@ def run_case(case: Case, inputs: Path, out_dir: Path, scratch: Path, extra: Mapp
     if left:
         raise CaseFailed(f"[{case.name}] the export left entries beside its target: {left}")
     return target
+
+
+def stop_running() -> None:
+    """Interrupted: no queued case starts, and the running merges are terminated (their staging is theirs to keep)."""
+    STOP.set()
+    with _RUNNING_LOCK:
+        for process in _RUNNING:
+            with contextlib.suppress(ProcessLookupError):
+                process.terminate()
+
+
+def _on_sigterm(*_: object) -> None:
+    stop_running()
+    sys.exit(143)
 
 
 def _files(root: Path) -> Iterator[Path]:
@@ -633,6 +666,9 @@ def export_all(inputs: Path, out_dir: Path, expect_under: Path | None, only: Seq
                     print(err, file=sys.stderr, flush=True)
                     failures[name] = str(err).splitlines()[-1][:300]
                 print(f"[{name}] {'FAILED' if name in failures else 'done'}", file=sys.stderr, flush=True)
+        except BaseException:
+            stop_running()  # before the pool waits: nothing queued starts, the running merges end
+            raise
         finally:
             pool.shutdown(wait=True, cancel_futures=True)  # interrupted: the queued cases never start
     finally:
@@ -826,8 +862,12 @@ def cmd_ab(ref_a: str, ref_b: str, inputs: Path | None, only: list[str], keep: b
             _write_digests(digests[side], origin, roots[side] / "digests.json", inputs, roots[side] / "out")
 
         with prefect_server(scratch) as server, concurrent.futures.ThreadPoolExecutor(2) as sides:
-            for done in [sides.submit(export_side, side, server) for side in ("A", "B")]:
-                done.result()  # both sides at once, so machine noise hits them alike
+            try:
+                for done in [sides.submit(export_side, side, server) for side in ("A", "B")]:
+                    done.result()  # both sides at once, so machine noise hits them alike
+            except BaseException:
+                stop_running()  # before the pool waits for the other side
+                raise
         rows, same = case_table(digests["A"], digests["B"], failed)
         print(f"A = {ref_a} ({shas[ref_a][:12]}), B = {ref_b} ({shas[ref_b][:12]}), inputs {inputs}")
         print("\n".join(rows))
@@ -881,9 +921,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command in ("export", "ab"):
         # SIGTERM unwinds like Ctrl-C: the Prefect server, the worktrees and the scratch go with it.
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        signal.signal(signal.SIGTERM, _on_sigterm)
     if args.command == "build":
         return cmd_build(args.inputs)
+    try:
+        return _dispatch(args)
+    except BaseException:  # Ctrl-C, SIGTERM, a failure: the other side's and the queued merges stop too
+        stop_running()
+        raise
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "export":
         return cmd_export(args.inputs, args.out_dir, args.digests, args.expect_mergeflow_under, args.only, args.jobs)
     if args.command == "ab":
