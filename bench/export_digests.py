@@ -443,26 +443,37 @@ def prefect_server(scratch: Path) -> Iterator[dict[str, str]]:
         log.close()
 
 
-# Imports every module of the mergeflow that the child finds (skipping `__main__`), then lists where each
-# mergeflow.* module came from: a subpackage missing from an install must not quietly come from elsewhere
-# (a setuptools editable finder, for one, serves any mergeflow.* name that the install lacks).
+# Imports every module of the mergeflow that the child finds (skipping `__main__`; whatever its subpackages
+# are called: a `--target` install holds them all under mergeflow/), then lists where each mergeflow.*
+# module came from: a subpackage missing from an install must not quietly come from elsewhere (a
+# setuptools editable finder, for one, serves any mergeflow.* name that the install lacks).
 _PROBE = """\
-import importlib, json, pkgutil, sys
-import mergeflow, mergeflow.tasks, mergeflow.flows, mergeflow.deployments
+import importlib, importlib.util, json, pkgutil, sys
+import mergeflow
 from importlib import metadata
 errors = {}
-for package in (mergeflow, mergeflow.tasks, mergeflow.flows, mergeflow.deployments):
-    for info in pkgutil.walk_packages(package.__path__, package.__name__ + ".", onerror=lambda name: None):
-        if info.name.rsplit(".", 1)[-1] == "__main__":
-            continue
-        try:
-            importlib.import_module(info.name)
-        except Exception as err:
-            errors[info.name] = f"{type(err).__name__}: {err}"
+def load(name):
+    try:
+        importlib.import_module(name)
+    except Exception as err:
+        errors[name] = f"{type(err).__name__}: {err}"
+# the console script's module first: an editable install maps some subpackages outside mergeflow/
+for entry in metadata.distribution("mergeflow").entry_points:
+    load(entry.module)
+walked, more = set(), True
+while more:  # every package imported so far, walked, until no new package appears
+    more = False
+    for name, module in list(sys.modules.items()):
+        if (name == "mergeflow" or name.startswith("mergeflow.")) and hasattr(module, "__path__") and name not in walked:
+            walked.add(name)
+            more = True
+            for info in pkgutil.walk_packages(module.__path__, name + ".", onerror=lambda name: None):
+                if info.name.rsplit(".", 1)[-1] != "__main__":
+                    load(info.name)
 files = {name: getattr(module, "__file__", None) for name, module in sorted(sys.modules.items())
          if name == "mergeflow" or name.startswith("mergeflow.")}
-print(json.dumps({"mergeflow": mergeflow.__file__, "mergeflow.tasks": mergeflow.tasks.__file__,
-                  "mergeflow.flows.cli": importlib.import_module("mergeflow.flows.cli").__file__,
+main = importlib.util.find_spec("mergeflow.__main__")
+print(json.dumps({"mergeflow": mergeflow.__file__, "mergeflow.__main__": main.origin if main else None,
                   "version": metadata.version("mergeflow"),
                   "dist_info": str(metadata.distribution("mergeflow")._path),
                   "module_files": files, "import_errors": errors}))
