@@ -119,6 +119,14 @@ def prefect_api(prefect_server: PrefectServer) -> Iterator[PrefectServer]:
         yield prefect_server
 
 
+@pytest.hookimpl(trylast=True)  # after -k/-m deselection: the blocks are of the tests that run
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The longest tests first, dealt out to the xdist workers' blocks by length (tests/longest_first.py).
+    import longest_first
+
+    items[:] = longest_first.longest_first(items, longest_first.workers())
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     # Collection imported torch, diffusers, transformers, peft and Prefect: millions of objects that
     # live until the worker exits. Out of the collector's sight (gc.freeze), the full collections that
