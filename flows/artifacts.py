@@ -15,8 +15,7 @@ from prefect.artifacts import (
 
 from mergeflow.export.progress import human_bytes
 from mergeflow.flows.run_names import export_label
-from mergeflow.formats.manifest import MANIFEST_NAME
-from mergeflow.io.jsonfiles import JsonObject
+from mergeflow.formats.manifest import MANIFEST_NAME, Manifest
 from mergeflow.lora.artifact import ADAPTER_DIR
 from mergeflow.records import MergePlan
 from mergeflow.sources.registry import source_named
@@ -73,10 +72,10 @@ def tree_sizes(root: Path) -> dict[str, int]:
 SHORT_DIGEST_CHARS = 16
 
 
-def manifest_rows(manifest: JsonObject, sizes: dict[str, int]) -> list[dict[str, object]]:
+def manifest_rows(manifest: Manifest, sizes: dict[str, int]) -> list[dict[str, object]]:
     """One table row per manifest file: path, size and sha256's start (a LoRA-only export lists files below lora_adapter/)."""
     rows = []
-    for rel, digest in manifest["files"].items():
+    for rel, digest in manifest.files.items():
         size = sizes.get(rel, sizes.get(f"{ADAPTER_DIR}/{rel}"))
         rows.append({"file": rel, "size": human_bytes(size) if size is not None else "?", "bytes": size,
                      "sha256": f"{digest[:SHORT_DIGEST_CHARS]}…"})
@@ -92,24 +91,24 @@ def checkpoint_kind(plan: MergePlan) -> str:
     return source_named(plan.checkpoint.format).label(plan.checkpoint)
 
 
-def summary_markdown(plan: MergePlan, manifest: JsonObject, output_dir: str, total_bytes: int) -> str:
+def summary_markdown(plan: MergePlan, manifest: Manifest, output_dir: str, total_bytes: int) -> str:
     """The export at a glance: source, base, output, what each verification layer proved, how to re-check it."""
-    tensor_bytes = sum(_numel(info["shape"]) * _itemsize(info["dtype"]) for info in manifest["tensors"].values())
-    layers = [f"| {layer} | {state} | {LAYER_MEANINGS.get(layer, '')} |" for layer, state in manifest["verification"].items()]
+    tensor_bytes = sum(_numel(info.shape) * _itemsize(info.dtype) for info in manifest.tensors.values())
+    layers = [f"| {layer} | {state} | {LAYER_MEANINGS.get(layer, '')} |" for layer, state in manifest.verification.items()]
     return "\n".join([
-        f"# Merged {manifest['architecture']}",
+        f"# Merged {manifest.architecture}",
         "",
         "| field | value |",
         "|---|---|",
         f"| source | `{plan.checkpoint.actor_dir}` |",
         f"| base model | `{plan.base.base_dir}` |" if plan.base.base_dir else "| base model | a Hub model (see the manifest) |",
         f"| output | `{output_dir}` |",
-        f"| artifact type | {manifest['artifact_type']} |",
+        f"| artifact type | {manifest.artifact_type} |",
         f"| world size | {plan.checkpoint.world_size} ({checkpoint_kind(plan)}) |",
-        f"| tensors | {len(manifest['tensors'])} ({human_bytes(tensor_bytes)}) |",
-        f"| files | {len(manifest['files']) + 1} ({human_bytes(total_bytes)}) |",
-        f"| dtype policy | {manifest['dtype']} |",
-        f"| source fingerprint | `{manifest['source_fingerprint'][:16]}` |",
+        f"| tensors | {len(manifest.tensors)} ({human_bytes(tensor_bytes)}) |",
+        f"| files | {len(manifest.files) + 1} ({human_bytes(total_bytes)}) |",
+        f"| dtype policy | {manifest.dtype} |",
+        f"| source fingerprint | `{manifest.source_fingerprint[:16]}` |",
         "",
         "## Verification (all before publication)",
         "",
@@ -123,7 +122,7 @@ def summary_markdown(plan: MergePlan, manifest: JsonObject, output_dir: str, tot
     ])
 
 
-def publish_manifest_artifacts(plan: MergePlan, manifest: JsonObject, output_dir: str, label: str) -> int:
+def publish_manifest_artifacts(plan: MergePlan, manifest: Manifest, output_dir: str, label: str) -> int:
     """The manifest as a table (one row per file, with sizes) and a markdown summary; returns the artifact's bytes."""
     sizes = tree_sizes(Path(output_dir))
     total = sum(sizes.values())
@@ -135,7 +134,7 @@ def publish_manifest_artifacts(plan: MergePlan, manifest: JsonObject, output_dir
     return total
 
 
-def _numel(shape: list[int]) -> int:
+def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
         n *= d

@@ -1,10 +1,13 @@
-"""The merge flow: inspect -> load ranks -> plan -> write shards -> metadata -> validate -> publish."""
+"""The merge flow, as the card's steps: inspect -> load ranks (or index a DCP) -> hash ranks -> plan (LoRA) ->
+write shards, copy components -> guard unchanged -> metadata -> validate -> publish -> upload.
+
+It imports tasks, records and the flows layer's helpers only (tests/test_merge_flow.py checks it): each
+step's work is a task; what must stay in the flow's process (the target lock) is flows/export_run.py.
+"""
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -14,40 +17,34 @@ from prefect.runtime import flow_run
 from prefect.utilities.annotations import opaque
 
 from mergeflow.config import ModelMergerConfig
-from mergeflow.errors import MergeflowError, UploadError, one_line
-from mergeflow.export.check.unchanged import guard_unchanged
-from mergeflow.export.progress import (
+from mergeflow.errors import UploadError
+from mergeflow.flows.artifacts import (
+    publish_manifest_artifacts,
+    start_progress,
+)
+from mergeflow.flows.export_run import (
+    forget_export_caches,
+    index_units,
+    indexed_by_metadata,
+    indexed_note,
+    prepare_staging,
+    target_locked,
+    typed_os_errors,
+)
+from mergeflow.flows.interrupts import name_the_kept_staging
+from mergeflow.flows.progress import (
     HASHING,
     INSPECTING,
     LOADING,
     PUBLISHING,
     UPLOADING,
     VALIDATING,
+    RunProgress,
+    merge_progress,
 )
-from mergeflow.flows.artifacts import (
-    publish_manifest_artifacts,
-    start_progress,
-)
-from mergeflow.flows.interrupts import name_the_kept_staging
-from mergeflow.flows.progress import RunProgress, merge_progress
 from mergeflow.flows.run_names import export_label
-from mergeflow.io.fs import TargetLock
-from mergeflow.io.interrupt import request_stop
 from mergeflow.io.jsonfiles import JsonObject
-from mergeflow.io.os_errors import typed_os_error
-from mergeflow.io.prefetch import DigestPrefetch
-from mergeflow.io.staging import (
-    check_target,
-    orphans_of,
-    remove_partial_writes,
-    settle_failed_staging,
-)
-from mergeflow.lora.artifact import ADAPTER_DIR
-from mergeflow.outputs.registry import output_writes, pack_output
-from mergeflow.records import MergePlan, ShardRecord, TensorLayout
-from mergeflow.sources.base import Indexing
-from mergeflow.sources.registry import forget as forget_checkpoint
-from mergeflow.sources.registry import source_named
+from mergeflow.records import Manifest, MergePlan, ShardRecord, TensorLayout
 from mergeflow.tasks.copy_components import copy_components
 from mergeflow.tasks.inspect_inputs import inspect_inputs
 from mergeflow.tasks.layouts import combine_rank_layouts, index_dcp
@@ -56,7 +53,7 @@ from mergeflow.tasks.lora import plan_lora, plan_lora_writes, write_lora_adapter
 from mergeflow.tasks.publish import publish, write_metadata
 from mergeflow.tasks.reconstruct import plan_reconstruction
 from mergeflow.tasks.upload import upload_to_hub
-from mergeflow.tasks.validate import validate_staged_task
+from mergeflow.tasks.validate import guard_unchanged_task, validate_staged_task
 from mergeflow.tasks.write import write_shard
 
 
@@ -97,34 +94,23 @@ def rank_digests(plan: MergePlan, futures: list[PrefectFuture[str]]) -> dict[str
 def load_layouts(plan: MergePlan, progress: RunProgress) -> dict[str, TensorLayout]:
     """Where every tensor's pieces are, as the checkpoint's source indexes it: each rank file in parallel (verl),
     or the checkpoint's own metadata read once (a DCP's `.metadata`)."""
-    source = source_named(plan.checkpoint.format)
-    if source.indexing is Indexing.METADATA:
+    if indexed_by_metadata(plan):
         future = index_dcp.submit(light_submit(plan))
         progress.counting(LOADING, [future])
         layouts = future.result()
-        get_run_logger().info(source.indexed_note(plan.checkpoint, len(layouts)))
+        get_run_logger().info(indexed_note(plan, len(layouts)))
         return layouts
-    units = source.index_units(plan.checkpoint)
-    rank_futures = [load_rank_shards.submit(light_submit(plan), rank) for rank in range(units)]
+    rank_futures = [load_rank_shards.submit(light_submit(plan), rank) for rank in range(index_units(plan))]
     progress.counting(LOADING, rank_futures)  # loading ranks k/W
     indexes = [f.result() for f in rank_futures]
-    get_run_logger().info(source.indexed_note(plan.checkpoint, len(indexes)))
+    get_run_logger().info(indexed_note(plan, len(indexes)))
     return combine_rank_layouts(light(indexes))
 
 
-def run_export(plan: MergePlan, allow_unchanged: bool = False) -> tuple[dict[str, str], JsonObject]:
+def run_export(plan: MergePlan, allow_unchanged: bool = False) -> tuple[dict[str, str], Manifest]:
     """The steps after inspection, run while the target lock is held."""
     logger = get_run_logger()
-    check_target(Path(plan.output.target))  # re-checked under the lock: another export may have finished
-    left = remove_partial_writes(Path(plan.output.staging))  # a killed run's temporary files: never resumed
-    if left:
-        logger.info("Removed %d temporary file(s) a killed run left: %s", len(left), ", ".join(left[:5]))
-    others = orphans_of(Path(plan.output.target), Path(plan.output.staging))
-    if others:  # another input, option or (before keys were resolved) spelling of this export: resumed by nothing
-        note = (f"staging dir(s) of this target that this export does not resume: {', '.join(map(str, others))}; "
-                "`mergeflow staging clean` removes them")
-        logger.warning(note[0].upper() + note[1:])
-        print(f"mergeflow: note: {one_line(note)}", file=sys.stderr)  # the CLI shows no run logs
+    prepare_staging(plan)
     progress = merge_progress()
     layouts = load_layouts(plan, progress)
     lora = plan_lora(light(plan), light(layouts)) if plan.lora is not None else None
@@ -134,15 +120,15 @@ def run_export(plan: MergePlan, allow_unchanged: bool = False) -> tuple[dict[str
         hashes = submit_rank_hashes(plan)  # the adapter's own manifest lists the rank files' digests
         adapter = write_lora_adapter(light(plan), light(lora), light(layouts), rank_digests(plan, hashes))
     if lora is not None and not lora.writes_model:  # a LoRA-only adapter export: lora_adapter/ is the artifact
-        verified = {f"{ADAPTER_DIR}/{adapter.shard.file_name}": adapter.shard.verified()}
         progress.begin(VALIDATING)
-        return publish(light(plan), validate_staged_task(light(plan), adapter.manifest, light(verified))), adapter.manifest
-    writes = (plan_lora_writes(light(plan), light(lora), light(layouts)) if lora is not None
+        report = validate_staged_task(light(plan), light(adapter.manifest), light(adapter.verified()))
+        return publish(light(plan), report), adapter.manifest
+    # The tensors to write (an architecture adapter's conversion and the output's key mapping applied), packed
+    # into the output's files by its writer: sharded safetensors, or one file.
+    output = (plan_lora_writes(light(plan), light(lora), light(layouts)) if lora is not None
               else plan_reconstruction(light(plan), light(layouts)))
-    writes = output_writes(plan, writes)  # an architecture adapter's conversion, then the output's key mapping
     # Pipeline assets are copied while the shards are written.
     copy_future = copy_components.submit(light_submit(plan)) if plan.base.copy_files else None
-    output = pack_output(plan, writes)  # the output's writer: sharded safetensors, or one file
     artifact = start_progress(plan, output.total_size)
     progress.begin_writing(output)  # bytes written of output.total_size
     futures = [write_shard.submit(light_submit(plan), light_submit(shard)) for shard in output.shards]
@@ -157,15 +143,16 @@ def run_export(plan: MergePlan, allow_unchanged: bool = False) -> tuple[dict[str
     progress.counting(HASHING, hashes)  # what the writers left of hashing the rank files
     copied = copy_future.result() if copy_future is not None else None
     progress.report_reuse(len(output.shards), copied)  # a rerun: how much of the kept staging it reused
+    # Before the manifest and validation: nothing is published if refused. An exported LoRA adapter is the
+    # training, so the model beside it is the base by design: not guarded. A fusion's own weights are sampled first.
+    unchanged = (guard_unchanged_task(light(plan), light(ordered), allow_unchanged,
+                                      lora.fused_weights if lora else frozenset()) if adapter is None else None)
     extra_files = (list(adapter.files) if adapter else []) + (list(copied.files) if copied else [])
     manifest = write_metadata(light(plan), light(output), rank_digests(plan, hashes), light(ordered), extra_files or None,
-                              lora.fusion_record() if lora else None)
-    if adapter is None:  # an exported LoRA adapter is the training: the model beside it is the base by design
-        # Before validation: nothing is published if refused. A fusion's own weights are sampled first.
-        manifest = guard_unchanged(plan, ordered, manifest, allow_unchanged, lora.fused_weights if lora else frozenset())
+                              lora.fusion_record() if lora else None, unchanged)
     verified = {plan.output.relative(r.file_name): r.verified() for r in ordered}
     if adapter is not None:
-        verified[f"{ADAPTER_DIR}/{adapter.shard.file_name}"] = adapter.shard.verified()
+        verified.update(adapter.verified())
     progress.begin(VALIDATING)
     report = validate_staged_task(light(plan), light(manifest), light(verified))
     progress.begin(PUBLISHING)
@@ -175,7 +162,7 @@ def run_export(plan: MergePlan, allow_unchanged: bool = False) -> tuple[dict[str
 
 @flow(name="mergeflow-merge", flow_run_name=merge_run_name, persist_result=True, validate_parameters=True,
       on_crashed=[name_the_kept_staging])
-def merge_flow(config: ModelMergerConfig) -> JsonObject:
+def merge_flow(config: ModelMergerConfig) -> JsonObject:  # its result is the CLI's final JSON line
     """Export an FSDP checkpoint as a verified, atomically published artifact."""
     started = time.monotonic()
     logger = get_run_logger()
@@ -183,38 +170,16 @@ def merge_flow(config: ModelMergerConfig) -> JsonObject:
     logger.info("Merging %s onto base %s -> %s (format %s, dtype %s)", config.local_dir, config.base_model,
                 config.target_dir, config.output_format, config.dtype)
     try:
-        merge_progress().begin(INSPECTING)
-        plan = inspect_inputs(config)
-        lock = TargetLock(Path(plan.output.lock)).acquire()
-        try:
-            result, manifest = run_export(plan, config.allow_unchanged)
-        except (MergeflowError, OSError) as exc:
-            typed = typed_os_error(exc) if isinstance(exc, OSError) else exc  # disk full, permissions, ...: one line
-            if typed is None:
-                raise
-            raise settle_failed_staging(typed, Path(plan.output.staging)) from None
-        except BaseException as exc:
-            # A SIGTERM inside a flow run reaches Prefect's handler, not ours (its engine installs its own
-            # for the run, which also serves a cancel from the UI): its TerminationSignal unwinds only this
-            # thread, so the writer threads are told here, before the engine waits for them. Only signals
-            # (BaseException, not Exception): an ordinary failure must not stop this process's next export.
-            if not isinstance(exc, Exception):
-                request_stop()
-            raise
-        finally:
-            lock.release()
-    except OSError as exc:  # before the lock (inspection, the lock itself): nothing staged yet
-        typed = typed_os_error(exc)
-        if typed is None:
-            raise
-        raise typed from None
+        with typed_os_errors():  # before the lock (inspection, the lock itself): nothing staged yet
+            merge_progress().begin(INSPECTING)
+            plan = inspect_inputs(config)
+            with target_locked(plan):
+                result, manifest = run_export(plan, config.allow_unchanged)
     finally:
-        actor_dir = Path(config.local_dir or "").expanduser().resolve()
-        forget_checkpoint(actor_dir)
-        DigestPrefetch.forget(actor_dir)
+        forget_export_caches(config.local_dir)
     label = export_label(plan.output.target, plan.checkpoint.actor_dir)  # the progress artifact's key too
     total = publish_manifest_artifacts(plan, manifest, result["output_dir"], label)
-    logger.info("Published %s: %d files, %d bytes in %.1f s", result["output_dir"], len(manifest["files"]) + 1, total,
+    logger.info("Published %s: %d files, %d bytes in %.1f s", result["output_dir"], len(manifest.files) + 1, total,
                 time.monotonic() - started)
     if config.hf_upload_path:
         merge_progress().begin(UPLOADING)

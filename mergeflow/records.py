@@ -14,7 +14,11 @@ from dataclasses import dataclass, field
 from typing import Literal, Union
 
 from mergeflow.config import Dtype
-from mergeflow.formats.manifest import VERL_CONFIG_PATH, ArtifactType
+from mergeflow.formats.manifest import (  # noqa: F401 - Manifest: a record the tasks pass, for the flow too
+    VERL_CONFIG_PATH,
+    ArtifactType,
+    Manifest,
+)
 from mergeflow.formats.rank_files import TensorEntry
 from mergeflow.io.fs import FileStamp
 from mergeflow.lora.plan import LoraSpec

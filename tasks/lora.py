@@ -8,7 +8,8 @@ from prefect.cache_policies import NO_CACHE
 from mergeflow.lora.adapter_plan import lora_tensor_writes, plan_lora_export
 from mergeflow.lora.adapter_writer import AdapterExport, write_adapter
 from mergeflow.lora.plan import LoraPlan
-from mergeflow.records import MergePlan, TensorLayout, TensorWrite
+from mergeflow.outputs.registry import plan_output
+from mergeflow.records import MergePlan, OutputPlan, TensorLayout
 from mergeflow.tasks import RETRY_IO
 
 
@@ -19,9 +20,10 @@ def plan_lora(plan: MergePlan, layouts: dict[str, TensorLayout]) -> LoraPlan:
 
 
 @task(name="plan-lora-writes", task_run_name="plan-lora-writes", cache_policy=NO_CACHE)
-def plan_lora_writes(plan: MergePlan, lora: LoraPlan, layouts: dict[str, TensorLayout]) -> list[TensorWrite]:
-    """Plan the model's tensors of a LoRA export: base weights, fused where asked, checked against the base."""
-    return lora_tensor_writes(plan, lora, layouts)
+def plan_lora_writes(plan: MergePlan, lora: LoraPlan, layouts: dict[str, TensorLayout]) -> OutputPlan:
+    """Plan the model's tensors of a LoRA export: base weights, fused where asked, checked against the base;
+    converted, mapped to the output's keys and packed into the output's files."""
+    return plan_output(plan, lora_tensor_writes(plan, lora, layouts))
 
 
 @task(name="write-lora-adapter", task_run_name="write-lora-adapter", **RETRY_IO, cache_policy=NO_CACHE)

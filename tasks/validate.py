@@ -1,4 +1,4 @@
-"""Validation tasks: the checks `test` runs on any artifact, and the checks of a staged export.
+"""Validation tasks: the checks `test` runs on any artifact, the unchanged-weights guard, and the checks of a staged export.
 
 Thin wrappers: the checks live in the domain (mergeflow.export.check.artifact_check, mergeflow.export.check.staged_check)
 so that `mergeflow test` runs them without Prefect. `validate_staged` is looked up in this module at
@@ -14,12 +14,21 @@ from prefect.cache_policies import NO_CACHE
 
 from mergeflow.export.check.artifact_check import validate_artifact_dir
 from mergeflow.export.check.staged_check import validate_staged
+from mergeflow.export.check.unchanged import guard_unchanged
+from mergeflow.formats.manifest import Manifest, UnchangedMeasurement
 from mergeflow.io.jsonfiles import JsonObject
-from mergeflow.records import MergePlan, ValidationReport, VerifiedFile
+from mergeflow.records import MergePlan, ShardRecord, ValidationReport, VerifiedFile
+
+
+@task(name="guard-unchanged", task_run_name="guard-unchanged", cache_policy=NO_CACHE)
+def guard_unchanged_task(plan: MergePlan, shards: list[ShardRecord], allow_unchanged: bool,
+                         trained: frozenset[str] = frozenset()) -> UnchangedMeasurement | None:
+    """Refuse an export whose tensors equal the base's bit for bit (unless allowed): a sample first, then all."""
+    return guard_unchanged(plan, shards, allow_unchanged, trained)
 
 
 @task(name="validate-staged", task_run_name="validate-staged", cache_policy=NO_CACHE)
-def validate_staged_task(plan: MergePlan, manifest: JsonObject,
+def validate_staged_task(plan: MergePlan, manifest: Manifest,
                          verified: dict[str, VerifiedFile] | None = None) -> ValidationReport:
     """Re-check the staged artifact end to end before it may be published."""
     return validate_staged(plan, manifest, verified)

@@ -168,7 +168,6 @@ def plain_export(config: ModelMergerConfig, run: PlainRun | None = None) -> dict
 
 
 def _plain_run_export(plan, run: PlainRun) -> dict[str, str]:  # type: ignore[no-untyped-def]
-    from mergeflow.export.write.shard_writer import pack_shards
     from mergeflow.io.staging import check_target
     from mergeflow.tasks.copy_components import copy_components
     from mergeflow.tasks.layouts import combine_rank_layouts
@@ -186,8 +185,7 @@ def _plain_run_export(plan, run: PlainRun) -> dict[str, str]:  # type: ignore[no
     run.stage = "index"
     indexes = [load_rank_shards.fn(plan, rank) for rank in ranks]
     run.stage = "reconstruct"
-    writes = plan_reconstruction.fn(plan, combine_rank_layouts.fn(indexes))
-    output = pack_shards(writes, plan.options.max_shard_size, plan.output.weights_name, plan.fingerprint)
+    output = plan_reconstruction.fn(plan, combine_rank_layouts.fn(indexes))  # the writes, packed into shards
     run.stage = "write"
     records = [write_shard.fn(plan, shard) for shard in output.shards]
     run.stage = "copy"

@@ -8,10 +8,12 @@ its own name whatever --max_shard_size says (the single-file writer), and its ow
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import ClassVar
 
 from mergeflow.errors import ArtifactInvalidError
+from mergeflow.formats.manifest import TensorInfo
 from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.outputs.base import SINGLE_SAFETENSORS, Shape, WeightsWriter
 from mergeflow.outputs.checks import check_manifest_tensors
@@ -41,9 +43,9 @@ class ToyOutput(DiffusersTransformer):
             raise ArtifactInvalidError(f"toy artifact: {odd[0]} lacks the {TOY_PREFIX!r} prefix")
         return count
 
-    def check_staged(self, plan: MergePlan, tensors: JsonObject) -> None:
+    def check_staged(self, plan: MergePlan, tensors: Mapping[str, TensorInfo]) -> None:
         want = {TOY_PREFIX + key: list(shape) for key, shape in plan.output.expected_shapes.items()}
-        if want != {key: info["shape"] for key, info in tensors.items()}:
+        if want != {key: list(info.shape) for key, info in tensors.items()}:
             raise ArtifactInvalidError("toy artifact: the staged tensors are not the planned schema under the prefix")
 
 

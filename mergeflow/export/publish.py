@@ -13,12 +13,16 @@ from mergeflow.export.write.shard_writer import (
 )
 from mergeflow.formats.manifest import (
     MANIFEST_NAME,
-    SCHEMA_VERSION,
-    fingerprint,
+    ConfigTransform,
+    LoraFusion,
+    Manifest,
+    SourceModelConfig,
+    TensorInfo,
+    UnchangedMeasurement,
     producer_versions,
 )
 from mergeflow.io.fs import fsync_dir, make_readable, rename_noreplace, sha256_file
-from mergeflow.io.jsonfiles import JsonObject, write_json_durable
+from mergeflow.io.jsonfiles import write_json_durable
 from mergeflow.records import (
     FileRecord,
     MergePlan,
@@ -32,7 +36,7 @@ LAYERS_PASSED = {"structure": "passed", "source_round_trip": "passed", "artifact
                  "integrity": "passed", "runtime": "not_run"}
 
 
-def write_metadata_files(plan: MergePlan, output: OutputPlan) -> tuple[list[FileRecord], JsonObject]:
+def write_metadata_files(plan: MergePlan, output: OutputPlan) -> tuple[list[FileRecord], ConfigTransform]:
     """The component config (path keys removed) and the weight index, hashed as written."""
     tensor_dir = Path(plan.output.tensor_dir)
     raw, removed = write_component_config(Path(plan.base.component_dir) / "config.json", tensor_dir / "config.json",
@@ -45,16 +49,16 @@ def write_metadata_files(plan: MergePlan, output: OutputPlan) -> tuple[list[File
     return records, config_transform_record(plan, removed)
 
 
-def config_transform_record(plan: MergePlan, trained_removed: list[str]) -> JsonObject:
+def config_transform_record(plan: MergePlan, trained_removed: list[str]) -> ConfigTransform:
     """Manifest config_transform: local-path keys removed per config, the tensor conversion, base files left out."""
     removed = {plan.output.relative("config.json"): trained_removed} if trained_removed else {}
     removed.update(plan.conversion.config_changes)  # copied configs (computed at inspect, re-checked on copy)
-    record: JsonObject = {"removed_keys": dict(sorted(removed.items()))}
-    if plan.conversion.adapter:
-        record["tensor_conversion"] = {"adapter": plan.conversion.adapter, **plan.conversion.adapter_params}
-    if plan.conversion.not_copied:
-        record["not_copied"] = dict(sorted(plan.conversion.not_copied.items()))
-    return record
+    conversion = plan.conversion
+    return ConfigTransform(
+        removed_keys=dict(sorted(removed.items())),
+        tensor_conversion={"adapter": conversion.adapter, **conversion.adapter_params} if conversion.adapter else None,
+        not_copied=dict(sorted(conversion.not_copied.items())) if conversion.not_copied else None,
+    )
 
 
 def build_manifest(
@@ -62,9 +66,10 @@ def build_manifest(
     rank_digests: dict[str, str],
     shards: list[ShardRecord],
     files: list[FileRecord],
-    config_transform: JsonObject,
-    lora_fusion: JsonObject | None = None,
-) -> JsonObject:
+    config_transform: ConfigTransform,
+    lora_fusion: LoraFusion | None = None,
+    unchanged: UnchangedMeasurement | None = None,
+) -> Manifest:
     """The manifest of SPEC section 5, built from records only (no absolute paths).
 
     rank_digests maps every rank file name to its sha256 (see mergeflow.export.reconstruct.rank_index.hash_rank_file).
@@ -76,47 +81,41 @@ def build_manifest(
     source_files.update(source_named(plan.checkpoint.format).marker_digests(Path(plan.checkpoint.actor_dir)))
     if plan.lora is not None:
         source_files.update(plan.lora.source_files)  # lora_train_meta.json (and adapter_config.json)
-    smc = {"sha256": plan.checkpoint.config_sha256, "logical_path": plan.checkpoint.config_logical_path}
-    tensors = {name: {"shape": list(shape), "dtype": dtype} for s in shards for name, (dtype, shape) in s.tensors.items()}
+    tensors = {name: TensorInfo(tuple(shape), dtype) for s in shards for name, (dtype, shape) in s.tensors.items()}
     out_files = {plan.output.relative(s.file_name): s.sha256 for s in shards}
     out_files.update({f.rel_path: f.sha256 for f in files})
-    manifest: JsonObject = {
-        "schema_version": SCHEMA_VERSION,
-        "artifact_type": plan.output.artifact_type,
-        "architecture": plan.output.architecture,
-        "backend": "fsdp",
-        "trained_components": [plan.output.component],
-        "tensor_directory": plan.output.tensor_directory,
-        "dtype": plan.options.dtype,
-        "max_shard_size_bytes": plan.options.max_shard_size,
-        "source_files": source_files,
-        "source_model_config": smc,
-        "source_fingerprint": fingerprint([source_files, smc]),
-        "base_files": dict(plan.base.files),
-        "base_fingerprint": fingerprint(plan.base.files),
-        "files": dict(sorted(out_files.items())),
-        "tensors": dict(sorted(tensors.items())),
-        "config_transform": config_transform,
-        "producer": producer_versions(),
-        "verification": dict(LAYERS_PASSED),
-        "checkpoint": checkpoint_record(plan),
-    }
-    if lora_fusion is not None:
-        manifest["lora_fusion"] = lora_fusion
-    return manifest
-
-
-def checkpoint_record(plan: MergePlan) -> JsonObject:
-    """The manifest's `checkpoint`: the world size, and FSDP's version (verl) or the DCP layout: its source's record."""
-    return source_named(plan.checkpoint.format).checkpoint_record(plan.checkpoint)
+    return Manifest(
+        artifact_type=plan.output.artifact_type,
+        architecture=plan.output.architecture,
+        trained_components=(plan.output.component,),
+        tensor_directory=plan.output.tensor_directory,
+        dtype=plan.options.dtype,
+        max_shard_size_bytes=plan.options.max_shard_size,
+        source_files=source_files,
+        source_model_config=SourceModelConfig(plan.checkpoint.config_sha256, plan.checkpoint.config_logical_path),
+        base_files=dict(plan.base.files),
+        files=dict(sorted(out_files.items())),
+        tensors=dict(sorted(tensors.items())),
+        config_transform=config_transform,
+        producer=producer_versions(),
+        verification=dict(LAYERS_PASSED),
+        checkpoint=source_named(plan.checkpoint.format).checkpoint_record(plan.checkpoint),
+        lora_fusion=lora_fusion,
+        unchanged_check=unchanged,
+    )
 
 
 def finalize_staging(plan: MergePlan, output: OutputPlan, rank_digests: dict[str, str], shards: list[ShardRecord],
-                     extra_files: list[FileRecord] | None = None, lora_fusion: JsonObject | None = None) -> JsonObject:
-    """Write the remaining files and the manifest into the staging artifact (extra_files: e.g. lora_adapter/)."""
+                     extra_files: list[FileRecord] | None = None, lora_fusion: LoraFusion | None = None,
+                     unchanged: UnchangedMeasurement | None = None) -> Manifest:
+    """Write the remaining files and the manifest into the staging artifact (extra_files: e.g. lora_adapter/).
+
+    The manifest is serialized here, once: every check that adds to it (the unchanged-weights guard) ran before.
+    """
     files, transform = write_metadata_files(plan, output)
-    manifest = build_manifest(plan, rank_digests, shards, files + list(extra_files or []), transform, lora_fusion)
-    write_json_durable(Path(plan.output.artifact_dir) / MANIFEST_NAME, manifest, indent=2)
+    manifest = build_manifest(plan, rank_digests, shards, files + list(extra_files or []), transform, lora_fusion,
+                              unchanged)
+    write_json_durable(Path(plan.output.artifact_dir) / MANIFEST_NAME, manifest.to_json(), indent=2)
     return manifest
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
@@ -62,6 +63,171 @@ def producer_versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             continue
     return versions
+
+
+# The records of a manifest. A merge builds one `Manifest` and serializes it once (`to_json`, at the
+# write and for the Prefect artifacts); `to_json` fixes the key order of SPEC section 5, so the bytes
+# written are those of the dict the code built by hand before.
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One exported tensor: its shape and the torch dtype name it is stored in."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class SourceModelConfig:
+    """The exported model config's digest and where it came from, named without a local path."""
+
+    sha256: str
+    logical_path: str
+
+
+@dataclass(frozen=True)
+class ConfigTransform:
+    """What changed in configs on the way: local-path keys removed, the tensor conversion, base files left out."""
+
+    removed_keys: Mapping[str, list[str]]
+    tensor_conversion: Mapping[str, Any] | None = None  # {"adapter": name, **its params}
+    not_copied: Mapping[str, str] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        record: dict[str, Any] = {"removed_keys": dict(self.removed_keys)}
+        if self.tensor_conversion is not None:
+            record["tensor_conversion"] = dict(self.tensor_conversion)
+        if self.not_copied is not None:
+            record["not_copied"] = dict(self.not_copied)
+        return record
+
+
+@dataclass(frozen=True)
+class LoraFusion:
+    """`lora_fusion`: the adapter fused into the exported weights, and with which settings."""
+
+    adapter_name: str
+    r: int
+    lora_alpha: float
+    scaling: float
+    base_weights: str | None
+    fused_modules: tuple[str, ...]
+    excluded_adapters: tuple[str, ...]
+    settings_source: str
+    module_scaling: Mapping[str, float] | None = None  # modules whose scaling differs from `scaling`
+    replaced_by_modules_to_save: tuple[str, ...] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        record: dict[str, Any] = {
+            "adapter_name": self.adapter_name, "r": self.r, "lora_alpha": self.lora_alpha, "scaling": self.scaling,
+            "base_weights": self.base_weights, "fused_modules": list(self.fused_modules),
+            "excluded_adapters": list(self.excluded_adapters), "settings_source": self.settings_source,
+        }
+        if self.module_scaling is not None:
+            record["module_scaling"] = dict(self.module_scaling)
+        if self.replaced_by_modules_to_save is not None:
+            record["replaced_by_modules_to_save"] = list(self.replaced_by_modules_to_save)
+        return record
+
+
+@dataclass(frozen=True)
+class LoraAdapterRecord:
+    """`lora_adapter`: the exported adapter directory's own manifest says what it holds."""
+
+    adapter_name: str
+    format: str
+    base_model_name_or_path: str | None
+    layout: str
+    r: int
+    lora_alpha: float
+    target_modules: tuple[str, ...]
+    excluded_adapters: tuple[str, ...]
+    settings_source: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"adapter_name": self.adapter_name, "format": self.format,
+                "base_model_name_or_path": self.base_model_name_or_path, "layout": self.layout, "r": self.r,
+                "lora_alpha": self.lora_alpha, "target_modules": list(self.target_modules),
+                "excluded_adapters": list(self.excluded_adapters), "settings_source": self.settings_source}
+
+
+@dataclass(frozen=True)
+class UnchangedMeasurement:
+    """`unchanged_check`: every exported tensor was compared with the base (mergeflow/export/check/unchanged.py)."""
+
+    compared_tensors: int
+    differing_tensors: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """merge_manifest.json (SPEC section 5) as a record; `to_json` is its one serialization."""
+
+    artifact_type: ArtifactType
+    architecture: str
+    trained_components: tuple[str, ...]
+    tensor_directory: str
+    dtype: str
+    max_shard_size_bytes: int
+    source_files: Mapping[str, str]
+    source_model_config: SourceModelConfig
+    base_files: Mapping[str, str]
+    files: Mapping[str, str]  # relative path -> sha256, sorted
+    tensors: Mapping[str, TensorInfo]  # sorted by name
+    config_transform: ConfigTransform
+    producer: Mapping[str, str]
+    verification: Mapping[str, str]
+    checkpoint: Mapping[str, Any]  # the checkpoint source's own record (mergeflow.sources)
+    lora_fusion: LoraFusion | None = None
+    lora_adapter: LoraAdapterRecord | None = None
+    unchanged_check: UnchangedMeasurement | None = None  # only when the guard compared every tensor
+    schema_version: int = SCHEMA_VERSION
+    backend: str = "fsdp"
+
+    @property
+    def source_fingerprint(self) -> str:
+        smc = {"sha256": self.source_model_config.sha256, "logical_path": self.source_model_config.logical_path}
+        return fingerprint([dict(self.source_files), smc])
+
+    @property
+    def base_fingerprint(self) -> str:
+        return fingerprint(dict(self.base_files))
+
+    def tensors_json(self) -> dict[str, Any]:
+        return {name: {"shape": list(info.shape), "dtype": info.dtype} for name, info in self.tensors.items()}
+
+    def to_json(self) -> JsonObject:
+        data: JsonObject = {
+            "schema_version": self.schema_version,
+            "artifact_type": self.artifact_type,
+            "architecture": self.architecture,
+            "backend": self.backend,
+            "trained_components": list(self.trained_components),
+            "tensor_directory": self.tensor_directory,
+            "dtype": self.dtype,
+            "max_shard_size_bytes": self.max_shard_size_bytes,
+            "source_files": dict(self.source_files),
+            "source_model_config": {"sha256": self.source_model_config.sha256,
+                                    "logical_path": self.source_model_config.logical_path},
+            "source_fingerprint": self.source_fingerprint,
+            "base_files": dict(self.base_files),
+            "base_fingerprint": self.base_fingerprint,
+            "files": dict(self.files),
+            "tensors": self.tensors_json(),
+            "config_transform": self.config_transform.to_json(),
+            "producer": dict(self.producer),
+            "verification": dict(self.verification),
+            "checkpoint": dict(self.checkpoint),
+        }
+        if self.lora_fusion is not None:
+            data["lora_fusion"] = self.lora_fusion.to_json()
+        if self.lora_adapter is not None:
+            data["lora_adapter"] = self.lora_adapter.to_json()
+        if self.unchanged_check is not None:
+            data[UNCHANGED_CHECK] = {"compared_tensors": self.unchanged_check.compared_tensors,
+                                     "differing_tensors": self.unchanged_check.differing_tensors}
+        return data
 
 
 def _is_sha256(value: object) -> bool:

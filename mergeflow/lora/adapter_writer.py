@@ -8,10 +8,16 @@ from pathlib import Path
 
 from mergeflow.export.publish import build_manifest
 from mergeflow.export.reconstruct.rebuild import output_dtype
-from mergeflow.formats.manifest import MANIFEST_NAME, fingerprint
+from mergeflow.formats.manifest import (
+    MANIFEST_NAME,
+    ConfigTransform,
+    LoraAdapterRecord,
+    Manifest,
+    fingerprint,
+)
 from mergeflow.formats.safetensors_format import nbytes
 from mergeflow.io.fs import sha256_file
-from mergeflow.io.jsonfiles import JsonObject, write_bytes_durable, write_json_durable
+from mergeflow.io.jsonfiles import write_bytes_durable, write_json_durable
 from mergeflow.lora.artifact import ADAPTER_DIR
 from mergeflow.lora.plan import (
     LoraPlan,
@@ -24,6 +30,7 @@ from mergeflow.records import (
     ShardRecord,
     TensorLayout,
     TensorWrite,
+    VerifiedFile,
 )
 from mergeflow.sources.registry import open_pieces
 
@@ -38,8 +45,12 @@ class AdapterExport:
     """A written, verified adapter directory: its files (relative to the artifact root) and manifest."""
 
     files: tuple[FileRecord, ...]
-    manifest: JsonObject
+    manifest: Manifest
     shard: ShardRecord
+
+    def verified(self) -> dict[str, VerifiedFile]:
+        """The adapter's weights file, relative to the artifact root, as its writer proved it."""
+        return {f"{ADAPTER_DIR}/{self.shard.file_name}": self.shard.verified()}
 
 
 def _adapter_shard(plan: MergePlan, lora: LoraPlan, layouts: dict[str, TensorLayout]) -> ShardPlan:
@@ -63,25 +74,24 @@ def _adapter_shard(plan: MergePlan, lora: LoraPlan, layouts: dict[str, TensorLay
 
 
 def _adapter_manifest(plan: MergePlan, lora: LoraPlan, rank_digests: dict[str, str], shard: ShardRecord,
-                      files: list[FileRecord]) -> JsonObject:
+                      files: list[FileRecord]) -> Manifest:
     spec = plan.lora
     # The adapter directory is an artifact of its own: tensors at its root, its own file list.
     output = adapter_output(lora.adapter_format)
     own = replace(plan, output=replace(plan.output, artifact_type=output.artifact_types[0], tensor_directory=".",
                                        kind=output.name))
-    manifest = build_manifest(own, rank_digests, [shard], files, {"removed_keys": {}})
-    manifest["lora_adapter"] = {
-        "adapter_name": lora.adapter_name,
-        "format": lora.adapter_format,
-        "base_model_name_or_path": spec.base_model_name_or_path,
-        "layout": lora.layout,
-        "r": lora.r,
-        "lora_alpha": lora.lora_alpha,
-        "target_modules": sorted((lora.adapter_config or {}).get("target_modules") or []),
-        "excluded_adapters": list(lora.excluded_adapters),
-        "settings_source": lora.settings_origin,
-    }
-    return manifest
+    manifest = build_manifest(own, rank_digests, [shard], files, ConfigTransform(removed_keys={}))
+    return replace(manifest, lora_adapter=LoraAdapterRecord(
+        adapter_name=lora.adapter_name,
+        format=lora.adapter_format,
+        base_model_name_or_path=spec.base_model_name_or_path,
+        layout=lora.layout,
+        r=lora.r,
+        lora_alpha=lora.lora_alpha,
+        target_modules=tuple(sorted((lora.adapter_config or {}).get("target_modules") or [])),
+        excluded_adapters=tuple(lora.excluded_adapters),
+        settings_source=lora.settings_origin,
+    ))
 
 
 def write_adapter(plan: MergePlan, lora: LoraPlan, layouts: dict[str, TensorLayout],
@@ -99,7 +109,7 @@ def write_adapter(plan: MergePlan, lora: LoraPlan, layouts: dict[str, TensorLayo
         write_bytes_durable(out_dir / file_name, raw)
         files.append(FileRecord(file_name, sha256_file(out_dir / file_name), len(raw), "written"))
     manifest = _adapter_manifest(plan, lora, rank_digests, record, files)
-    data = write_json_durable(out_dir / MANIFEST_NAME, manifest, indent=2)
+    data = write_json_durable(out_dir / MANIFEST_NAME, manifest.to_json(), indent=2)
     listed = [(record.file_name, record.sha256, record.size)] + [(f.rel_path, f.sha256, f.size) for f in files]
     listed.append((MANIFEST_NAME, sha256_file(out_dir / MANIFEST_NAME), len(data)))
     rooted = tuple(FileRecord(f"{ADAPTER_DIR}/{name}", digest, size, "written") for name, digest, size in listed)

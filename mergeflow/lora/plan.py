@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mergeflow.errors import LoraError, UsageError
+from mergeflow.formats.manifest import LoraFusion
 from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.lora.config import (
     AdapterSettings,
@@ -138,26 +139,23 @@ class LoraPlan:
         """The output weights a fusion changes (empty without --fuse-lora)."""
         return frozenset(f"{m.module}.weight" for m in self.modules) if self.fuse else frozenset()
 
-    def fusion_record(self) -> JsonObject | None:
+    def fusion_record(self) -> LoraFusion | None:
         """The manifest's `lora_fusion` record (None when nothing was fused)."""
         if not self.fuse:
             return None
-        record: JsonObject = {
-            "adapter_name": self.adapter_name,
-            "r": self.r,
-            "lora_alpha": self.lora_alpha,
-            "scaling": self.scaling,
-            "base_weights": self.base_weights,
-            "fused_modules": sorted(m.module for m in self.modules),
-            "excluded_adapters": list(self.excluded_adapters),
-            "settings_source": self.settings_origin,
-        }
         per_module = {m.module: m.scaling for m in self.modules if m.scaling != self.scaling}
-        if per_module:
-            record["module_scaling"] = dict(sorted(per_module.items()))
-        if self.saved_overrides:
-            record["replaced_by_modules_to_save"] = sorted(self.saved_overrides)
-        return record
+        return LoraFusion(
+            adapter_name=self.adapter_name,
+            r=self.r,
+            lora_alpha=self.lora_alpha,
+            scaling=self.scaling,
+            base_weights=self.base_weights,
+            fused_modules=tuple(sorted(m.module for m in self.modules)),
+            excluded_adapters=tuple(self.excluded_adapters),
+            settings_source=self.settings_origin,
+            module_scaling=dict(sorted(per_module.items())) if per_module else None,
+            replaced_by_modules_to_save=tuple(sorted(self.saved_overrides)) if self.saved_overrides else None,
+        )
 
 
 def default_scaling(settings: AdapterSettings) -> float:

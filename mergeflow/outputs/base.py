@@ -19,10 +19,13 @@ from mergeflow.errors import UsageError
 from mergeflow.io.jsonfiles import JsonObject
 
 if TYPE_CHECKING:  # torch behind records and targets: named for type checkers only
+    from collections.abc import Mapping
+
     from mergeflow.architectures.registry import BaseLayout
     from mergeflow.config import ModelMergerConfig
     from mergeflow.export.plan.targets import TargetSchema
     from mergeflow.export.reconstruct.rebuild import PieceSource
+    from mergeflow.formats.manifest import TensorInfo
     from mergeflow.records import (
         MergePlan,
         OutputPlan,
@@ -120,7 +123,7 @@ class ArtifactOutput(ABC):
     def check_weights(self, root: Path, manifest: JsonObject) -> int:
         """The weight files hold exactly the manifest's tensors; returns how many."""
 
-    def check_staged(self, plan: MergePlan, tensors: JsonObject) -> None:
+    def check_staged(self, plan: MergePlan, tensors: Mapping[str, TensorInfo]) -> None:
         """Before publish, beyond `test`: the staged artifact loads as planned (default: nothing more)."""
 
 

@@ -16,6 +16,9 @@ from mergeflow.io.config_paths import is_config_json
 from mergeflow.io.jsonfiles import JsonObject, read_json_strict
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from mergeflow.formats.manifest import TensorInfo
     from mergeflow.records import MergePlan
 
 
@@ -75,7 +78,7 @@ def check_model_configs(root: Path, manifest: JsonObject) -> None:
                 raise ArtifactInvalidError(f"{rel} still holds _name_or_path (a local path)")
 
 
-def check_schema_loadable(plan: MergePlan, tensors: JsonObject) -> None:
+def check_schema_loadable(plan: MergePlan, tensors: Mapping[str, TensorInfo]) -> None:
     """What from_pretrained needs: the staged config builds the class with exactly these tensors."""
     from mergeflow.architectures.schema import (  # diffusers, unless the schema is cached
         model_schema,
@@ -83,11 +86,11 @@ def check_schema_loadable(plan: MergePlan, tensors: JsonObject) -> None:
     )
 
     if plan.conversion.output_shapes is not None:  # a converted or remote-code schema, fixed at inspect
-        if {k: list(v) for k, v in plan.conversion.output_shapes.items()} != {k: v["shape"] for k, v in tensors.items()}:
+        if {k: list(v) for k, v in plan.conversion.output_shapes.items()} != {k: list(v.shape) for k, v in tensors.items()}:
             raise ArtifactInvalidError("the staged weights do not match the schema planned for this artifact")
         return
     config = read_model_config(Path(plan.output.tensor_dir) / "config.json", ArtifactInvalidError, "staged config.json")
     want = {k: list(v) for k, v in model_schema(plan.output.transformer_class, config).tensors.items()}
-    have = {k: v["shape"] for k, v in tensors.items()}
+    have = {k: list(v.shape) for k, v in tensors.items()}
     if want != have:
         raise ArtifactInvalidError("the staged weights do not match what the staged config builds")

@@ -22,9 +22,12 @@ from mergeflow.outputs.checks import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from mergeflow.architectures.registry import Architecture, BaseLayout
     from mergeflow.config import ModelMergerConfig
     from mergeflow.export.plan.targets import TargetSchema
+    from mergeflow.formats.manifest import TensorInfo
     from mergeflow.records import MergePlan
 
 
@@ -89,5 +92,5 @@ class DiffusersPipeline(ModelOutput):
     def check_weights(self, root: Path, manifest: JsonObject) -> int:
         return check_manifest_tensors(root, manifest)
 
-    def check_staged(self, plan: MergePlan, tensors: JsonObject) -> None:
+    def check_staged(self, plan: MergePlan, tensors: Mapping[str, TensorInfo]) -> None:
         check_schema_loadable(plan, tensors)

@@ -119,3 +119,8 @@ def output_writes(plan: MergePlan, writes: list[TensorWrite]) -> list[TensorWrit
 def pack_output(plan: MergePlan, writes: list[TensorWrite]) -> OutputPlan:
     """The artifact's weight files, as the output's writer groups them."""
     return output_of(plan).writer.pack(writes, plan.options.max_shard_size, plan.output.weights_name, plan.fingerprint)
+
+
+def plan_output(plan: MergePlan, writes: list[TensorWrite]) -> OutputPlan:
+    """The planned tensors as the artifact's files: converted, mapped to the output's keys, then packed."""
+    return pack_output(plan, output_writes(plan, writes))

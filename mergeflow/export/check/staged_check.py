@@ -10,8 +10,8 @@ from mergeflow.export.check.artifact_check import (
     manifest_relpath,
     validate_artifact_dir,
 )
+from mergeflow.formats.manifest import Manifest, TensorInfo
 from mergeflow.io.fs import FileStamp, sha256_file
-from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.outputs.registry import output_of
 from mergeflow.records import MergePlan, ValidationReport, VerifiedFile
 
@@ -27,12 +27,12 @@ def check_inputs_unchanged(plan: MergePlan) -> None:
             raise InputChangedError(f"input {Path(path).name} changed during the export; rerun once it is stable")
 
 
-def check_loadable(plan: MergePlan, tensors: JsonObject) -> None:
+def check_loadable(plan: MergePlan, tensors: Mapping[str, TensorInfo]) -> None:
     """What the output needs to load: for a model, the staged config builds the class with exactly these tensors."""
     output_of(plan).check_staged(plan, tensors)
 
 
-def validate_staged(plan: MergePlan, manifest: JsonObject,
+def validate_staged(plan: MergePlan, manifest: Manifest,
                     verified: Mapping[str, VerifiedFile] | None = None) -> ValidationReport:
     """Layer 4 on the staging tree: inputs unchanged, loadable, and everything `test` checks.
 
@@ -40,7 +40,7 @@ def validate_staged(plan: MergePlan, manifest: JsonObject,
     proved (see artifact_check.check_tree_and_hashes).
     """
     check_inputs_unchanged(plan)
-    check_loadable(plan, manifest["tensors"])
+    check_loadable(plan, manifest.tensors)
     artifact = Path(plan.output.artifact_dir)
     summary = validate_artifact_dir(artifact, verified)
     return ValidationReport(
@@ -49,5 +49,5 @@ def validate_staged(plan: MergePlan, manifest: JsonObject,
         architecture=summary.architecture,
         files_checked=summary.files,
         tensors_checked=summary.tensors,
-        layers=dict(manifest["verification"]),
+        layers=dict(manifest.verification),
     )

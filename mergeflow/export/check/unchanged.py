@@ -24,9 +24,8 @@ from pathlib import Path
 import torch
 
 from mergeflow.errors import BaseModelError, UnchangedWeightsError
-from mergeflow.formats.manifest import MANIFEST_NAME, UNCHANGED_CHECK
+from mergeflow.formats.manifest import UNCHANGED_CHECK, UnchangedMeasurement
 from mergeflow.formats.weight_index import StoredWeights, has_weights, read_weights
-from mergeflow.io.jsonfiles import JsonObject, write_json_durable
 from mergeflow.records import MergePlan, ShardRecord
 
 MANIFEST_FIELD = UNCHANGED_CHECK
@@ -45,30 +44,29 @@ class UnchangedCheck:
         return self.differing == 0
 
 
-def guard_unchanged(plan: MergePlan, shards: Sequence[ShardRecord], manifest: JsonObject,
-                    allow_unchanged: bool, trained: frozenset[str] = frozenset()) -> JsonObject:
-    """Refuse (or, allowed, record) an export equal to its base; returns the manifest, rewritten when measured.
+def guard_unchanged(plan: MergePlan, shards: Sequence[ShardRecord], allow_unchanged: bool,
+                    trained: frozenset[str] = frozenset()) -> UnchangedMeasurement | None:
+    """Refuse (or, allowed, measure) an export equal to its base; returns the manifest's `unchanged_check`.
 
-    trained: the tensors the training changed if anything did (a fused LoRA's weights), sampled first.
+    None (the manifest gains nothing) unless every tensor was compared. Runs on the written shards,
+    before the manifest is written. trained: the tensors the training changed if anything did (a fused
+    LoRA's weights), sampled first.
     """
     base_dir = Path(plan.base.component_dir)
     # No local base weights under the artifact's weights name (a Hub-named base; an architecture whose
     # base is stored differently): nothing to compare with, so the export is as it was without the guard.
     if plan.base.kind == "hub" or not plan.base.component_dir or not has_weights(base_dir, plan.output.weights_name):
-        return manifest
+        return None
     check = measure_unchanged(Path(plan.output.tensor_dir), [(s.file_name, sorted(s.tensors)) for s in shards],
                               base_dir, plan.output.weights_name, trained)
     if check.differing is None:
-        return manifest  # a sampled tensor differs: the manifest stays byte-identical to an unguarded export
+        return None  # a sampled tensor differs: the manifest stays byte-identical to an unguarded export
     if check.unchanged and not allow_unchanged:
         raise UnchangedWeightsError(
             f"all {check.compared} exported tensors equal the base's bit for bit: likely the wrong global_step "
             "directory, an untrained run, or a save_lora_only checkpoint read as full weights; "
             "pass --allow-unchanged to publish it anyway")
-    measured: JsonObject = {**manifest, MANIFEST_FIELD: {"compared_tensors": check.compared,
-                                                         "differing_tensors": check.differing}}
-    write_json_durable(Path(plan.output.artifact_dir) / MANIFEST_NAME, measured, indent=2)
-    return measured
+    return UnchangedMeasurement(compared_tensors=check.compared, differing_tensors=check.differing)
 
 
 def measure_unchanged(tensor_dir: Path, shards: Sequence[tuple[str, Sequence[str]]], base_dir: Path,
