@@ -24,32 +24,25 @@ QkvLayout = Literal["interleaved", "stacked"]
 TaskRunner = Literal["thread", "dask"]
 
 
-class _RegisteredOutputFormats(Sequence[str]):
-    """The --output_format choices: the registered outputs' (mergeflow.outputs.registry), read when asked.
-
-    Live, so an output registered after this module was imported is a choice too; the registry is
-    imported on first use only (its outputs import this module).
-    """
-
-    def _values(self) -> tuple[str, ...]:
-        from mergeflow.outputs.registry import option_values
-
-        return option_values("output_format")
-
-    def __getitem__(self, index: int) -> str:  # type: ignore[override]
-        return self._values()[index]
-
-    def __len__(self) -> int:
-        return len(self._values())
-
-    def __contains__(self, value: object) -> bool:
-        return value in self._values()
-
-    def __repr__(self) -> str:
-        return repr(self._values())
+# The --output_format choices. Owned here, so every entry point reads one list; an output that
+# mergeflow.outputs.registry registers later (a plug-in, a test's toy) adds its value to it
+# (add_output_format). The list object is shared: argparse choices built from it see later additions.
+_OUTPUT_CHOICES: list[str] = list(get_args(OutputFormat))
 
 
-OUTPUT_FORMATS: Sequence[str] = _RegisteredOutputFormats()
+def add_output_format(value: str) -> None:
+    """A registered output's --output_format value becomes a choice of every entry point."""
+    if value not in _OUTPUT_CHOICES:
+        _OUTPUT_CHOICES.append(value)
+
+
+def remove_output_format(value: str) -> None:
+    """An unregistered output's value is no choice any more (the built-in ones stay)."""
+    if value in _OUTPUT_CHOICES and value not in get_args(OutputFormat):
+        _OUTPUT_CHOICES.remove(value)
+
+
+OUTPUT_FORMATS: Sequence[str] = _OUTPUT_CHOICES
 DTYPES: tuple[Dtype, ...] = get_args(Dtype)
 ADAPTER_FORMATS: tuple[AdapterFormat, ...] = get_args(AdapterFormat)
 QKV_LAYOUTS: tuple[QkvLayout, ...] = get_args(QkvLayout)

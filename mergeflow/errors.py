@@ -59,20 +59,6 @@ def _rebuild(cls: type[MergeflowError], message: str, staging_dir: str | None) -
     return error
 
 
-def is_retryable(exc: BaseException) -> bool:
-    """Whether another attempt may succeed: only what says so. Our errors declare it; an OSError
-    is retried when it is transient (mergeflow.io.os_errors sorts them). Anything else (a TypeError,
-    a KeyError, a failed assert) is a bug, and a second run of a bug only fails again, later."""
-    if isinstance(exc, MergeflowError):
-        return exc.retryable
-    if isinstance(exc, OSError):
-        # Imported here: mergeflow.io.os_errors builds on this module's classes.
-        from mergeflow.io.os_errors import is_transient
-
-        return is_transient(exc)
-    return False
-
-
 # -- the user's flags and paths ----------------------------------------------------------------
 
 class UsageError(MergeflowError):

@@ -1,7 +1,7 @@
 """The steps of an export as Prefect tasks: thin wrappers around mergeflow's domain functions.
 
 Each module holds the tasks of one step; none imports another. What they share lives here:
-which failures are worth a retry (mergeflow.errors.is_retryable: a declared `retryable` flag or a
+which failures are worth a retry (mergeflow.io.os_errors.is_retryable: a declared `retryable` flag or a
 transient OS error; a bug is never retried).
 
 Caching convention: only rank indexing and hashing and shard writing are cached (their cache
@@ -16,7 +16,8 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypedDict
 
-from mergeflow.errors import MergeflowError, is_retryable
+from mergeflow.errors import MergeflowError
+from mergeflow.io.os_errors import is_retryable
 
 
 def retry_transient(task: Any, task_run: Any, state: Any) -> bool:

@@ -11,6 +11,7 @@ import pytest
 
 import mergeflow.tasks as tasks_package
 from mergeflow import errors as E
+from mergeflow.io.os_errors import is_retryable
 
 
 class _State:
@@ -75,7 +76,7 @@ def test_builtin_bases_and_exit_codes() -> None:
     ids=lambda v: v if isinstance(v, bool) else f"{type(v).__name__}-{getattr(v, 'errno', None)}",
 )
 def test_the_retry_policy_retries_only_what_may_heal(exc: BaseException, retry: bool) -> None:
-    assert E.is_retryable(exc) is retry
+    assert is_retryable(exc) is retry
     assert tasks_package.retry_transient(None, None, _State(exc)) is retry
 
 

@@ -150,3 +150,14 @@ def check_prefect_home(home: Path) -> None:
     if reason:
         where = "" if existing == home else f" (it does not exist, and cannot be created in {existing})"
         raise FileAccessError(f"PREFECT_HOME {home} is unusable: {reason}{where}; {fix}")
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """Whether another attempt may succeed: only what says so. Our errors declare it; an OSError
+    is retried when it is transient (is_transient). Anything else (a TypeError,
+    a KeyError, a failed assert) is a bug, and a second run of a bug only fails again, later."""
+    if isinstance(exc, MergeflowError):
+        return exc.retryable
+    if isinstance(exc, OSError):
+        return is_transient(exc)
+    return False

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from mergeflow.config import add_output_format, remove_output_format
 from mergeflow.errors import ArtifactInvalidError, SchemaMismatchError, UsageError
 from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.outputs.base import ArtifactOutput, ModelOutput
@@ -34,6 +35,8 @@ def register_output(output: ArtifactOutput) -> ArtifactOutput:
     if any(o.selected_by == output.selected_by and o.option_value == output.option_value for o in _OUTPUTS.values()):
         raise ValueError(f"--{output.selected_by} {output.option_value} already selects another output")
     _OUTPUTS[output.name] = output
+    if output.selected_by == "output_format":
+        add_output_format(output.option_value)
     return output
 
 
@@ -41,7 +44,9 @@ def unregister_output(name: str) -> None:
     """Forget a registered output (a test's toy); the built-in ones stay."""
     if any(o.name == name for o in _BUILTIN):
         raise ValueError(f"{name!r} is a built-in output")
-    _OUTPUTS.pop(name, None)
+    gone = _OUTPUTS.pop(name, None)
+    if gone is not None and gone.selected_by == "output_format":
+        remove_output_format(gone.option_value)
 
 
 for _output in _BUILTIN:
