@@ -35,7 +35,7 @@ from mergeflow.io.fs import TargetLock
 from mergeflow.io.interrupt import request_stop
 from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.io.os_errors import typed_os_error
-from mergeflow.io.prefetch import DigestPrefetch
+from mergeflow.io.session import enter_session
 from mergeflow.io.staging import (
     check_target,
     orphans_of,
@@ -46,7 +46,6 @@ from mergeflow.lora.artifact import ADAPTER_DIR
 from mergeflow.outputs.registry import output_writes, pack_output
 from mergeflow.records import MergePlan, ShardRecord, TensorLayout
 from mergeflow.sources.base import Indexing
-from mergeflow.sources.registry import forget as forget_checkpoint
 from mergeflow.sources.registry import source_named
 from mergeflow.tasks.copy_components import copy_components
 from mergeflow.tasks.inspect_inputs import inspect_inputs
@@ -182,6 +181,7 @@ def merge_flow(config: ModelMergerConfig) -> JsonObject:
     # One line an operator reads first: what is merged onto what, and where it goes.
     logger.info("Merging %s onto base %s -> %s (format %s, dtype %s)", config.local_dir, config.base_model,
                 config.target_dir, config.output_format, config.dtype)
+    leave = enter_session()  # this export's own state: the CLI's session, else this run's
     try:
         merge_progress().begin(INSPECTING)
         plan = inspect_inputs(config)
@@ -209,9 +209,7 @@ def merge_flow(config: ModelMergerConfig) -> JsonObject:
             raise
         raise typed from None
     finally:
-        actor_dir = Path(config.local_dir or "").expanduser().resolve()
-        forget_checkpoint(actor_dir)
-        DigestPrefetch.forget(actor_dir)
+        leave()  # nothing process-wide to clear: the session goes with the export
     label = export_label(plan.output.target, plan.checkpoint.actor_dir)  # the progress artifact's key too
     total = publish_manifest_artifacts(plan, manifest, result["output_dir"], label)
     logger.info("Published %s: %d files, %d bytes in %.1f s", result["output_dir"], len(manifest["files"]) + 1, total,

@@ -259,11 +259,10 @@ class DcpChunks:
 
 # --- the parsed `.metadata`, once per process, and the hash pass that CRC-checks every record ---------------
 
-_PARSED: StampedCache[DcpCheckpoint] = StampedCache(capacity=8)
-
-
 def parsed_dcp(directory: Path, *, trust_checkpoint: bool = False) -> DcpCheckpoint:
-    """`open_dcp`, parsed once per `.metadata` stamp in this process: the shard tasks and the hash pass share it."""
+    """`open_dcp`, parsed once per `.metadata` stamp in this export (its session): the shard tasks and the hash pass share it."""
+    from mergeflow.io.session import current_session
+
     stamp = FileStamp.of(directory / METADATA)
 
     def load() -> DcpCheckpoint:
@@ -273,12 +272,8 @@ def parsed_dcp(directory: Path, *, trust_checkpoint: bool = False) -> DcpCheckpo
                                     "wait until the save has finished")
         return checkpoint
 
-    return _PARSED.get_or_load((str(directory), stamp, trust_checkpoint), load)
-
-
-def forget_parsed(directory: Path) -> None:
-    """Drop a checkpoint's parsed metadata once its export is over (a long-running `serve`)."""
-    _PARSED.forget(lambda path: path == str(directory))
+    parsed: StampedCache[DcpCheckpoint] = current_session().cache("dcp-parsed", capacity=8)
+    return parsed.get_or_load((str(directory), stamp, trust_checkpoint), load)
 
 
 def _check_records(path: Path, trust_checkpoint: bool, block: int = HASH_BLOCK) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from mergeflow.architectures.registry import BaseLayout, adapter_of, detect_base
+from mergeflow.architectures.registry import BaseLayout, adapter_of, base_layout
 from mergeflow.architectures.schema import model_schema, read_model_config
 from mergeflow.config import DEFAULT_ADAPTER_FORMAT, ModelMergerConfig
 from mergeflow.errors import BaseModelError, CheckpointError, LoraError, UsageError
@@ -201,7 +201,7 @@ def adapter_target(config: ModelMergerConfig, spec: LoraSpec, base: Path | None,
     """What a LoRA-only save's adapter export writes, with the base it names (checked when local)."""
     base_files: dict[str, str] = {}
     if base is not None:
-        layout = detect_base(base, config.component)
+        layout = base_layout(base, config.component)
         _refuse_unfit_base(layout, spec)
         base_config_path = layout.transformer_dir / "config.json"
         base_config = read_model_config(base_config_path, BaseModelError, f"{base_config_path.relative_to(base)} of the base")
