@@ -18,6 +18,7 @@ from mergeflow.formats.weight_index import read_weight_map
 from mergeflow.io.fs import FileStamp, sha256_file
 from mergeflow.io.jsonfiles import JsonObject, read_json_strict
 from mergeflow.io.paths import check_no_overlap
+from mergeflow.io.session import current_session
 from mergeflow.io.staging import check_target
 from mergeflow.lora.config import (
     ADAPTER_CONFIG_NAME,
@@ -56,7 +57,7 @@ def _adapter_config_file(config: ModelMergerConfig, actor: Path) -> tuple[Path |
         return path.resolve(), "--adapter-config"
     cfg_dir = Path(config.hf_model_config_path or actor / "huggingface").expanduser().resolve()
     found = [p for p in (actor / ADAPTER_CONFIG_NAME, cfg_dir / ADAPTER_CONFIG_NAME) if p.is_file()]
-    if len(found) == 2 and found[0].read_bytes() != found[1].read_bytes():
+    if len(found) == 2 and current_session().read_bytes(found[0]) != current_session().read_bytes(found[1]):
         raise LoraError(f"two different {ADAPTER_CONFIG_NAME} files lie beside the checkpoint (in actor/ and "
                         f"{cfg_dir.name}/); remove the stale one or pass --adapter-config PATH")
     if not found:
