@@ -39,17 +39,19 @@ class ExportSession:
     _files: dict[str, tuple[FileStamp, bytes]] = field(default_factory=dict)
     _memo: dict[tuple[str, str], Any] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _reading: threading.Lock = field(default_factory=threading.Lock)
 
     def read_bytes(self, path: Path) -> bytes:
         """A small metadata file's bytes, read once per export while its stamp is unchanged."""
-        known = self.known_bytes(path)
-        if known is not None:
-            return known
-        stamp = FileStamp.of(path)  # before the read: a file rewritten meanwhile is read again next time
-        data = path.read_bytes()
-        with self._lock:
-            self._files[str(path)] = (stamp, data)
-        return data
+        with self._reading:  # two threads asking at once (the plan, the background hash): one read
+            known = self.known_bytes(path)
+            if known is not None:
+                return known
+            stamp = FileStamp.of(path)  # before the read: a file rewritten meanwhile is read again next time
+            data = path.read_bytes()
+            with self._lock:
+                self._files[str(path)] = (stamp, data)
+            return data
 
     def known_bytes(self, path: Path) -> bytes | None:
         """The bytes `read_bytes` kept of `path`, if the file still has the stamp they were read at."""
@@ -98,6 +100,22 @@ def current_session() -> ExportSession:
 def active_session() -> ExportSession | None:
     """The session an export set in this context, if any."""
     return _CURRENT.get()
+
+
+def carry_session(fn: Callable[..., T]) -> Callable[..., T]:
+    """`fn` to run in another thread of this export (a pool's): there it finds this export's session too."""
+    session = _CURRENT.get()
+    if session is None:
+        return fn
+
+    def run(*args: Any, **kwargs: Any) -> T:
+        token = _CURRENT.set(session)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _CURRENT.reset(token)
+
+    return run
 
 
 def enter_session(session: ExportSession | None = None) -> Callable[[], None]:
