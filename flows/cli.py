@@ -252,20 +252,19 @@ def _running_flows(announce: str | None = None) -> Iterator[FlowRunLinks]:
 
 def cmd_merge(args: argparse.Namespace) -> JsonObject:
     from mergeflow.export.plan.preflight import preflight_merge
-    from mergeflow.io.prefetch import DigestPrefetch
-    from mergeflow.sources.registry import source_for
+    from mergeflow.io.session import export_session
 
     config = _config_from(args, "merge")
-    files = preflight_merge(config)  # refusals that need no tensor data answer before any server or Prefect import
-    # The manifest's source-file digests: hashed from now on, on the core the imports leave idle.
-    if files:
-        DigestPrefetch.start(files, hasher=source_for(files[0].parent).file_hasher(config.trust_checkpoint))
-    with _running_flows():
-        from mergeflow.flows.api import merge_model
-        from mergeflow.flows.progress import stderr_progress
+    with export_session():  # the export's state, handed to the flow run in this process
+        # Planning's first stage: refusals that need no tensor data answer before any server or Prefect
+        # import, and the checkpoint's files are hashed from now on, on the core the imports leave idle.
+        preflight_merge(config)
+        with _running_flows():
+            from mergeflow.flows.api import merge_model
+            from mergeflow.flows.progress import stderr_progress
 
-        with stderr_progress():
-            result = merge_model(config, task_runner=args.task_runner, dask_address=args.dask_address)
+            with stderr_progress():
+                result = merge_model(config, task_runner=args.task_runner, dask_address=args.dask_address)
     out: JsonObject = {"output_dir": result.output_dir, "manifest_path": result.manifest_path}
     if result.upload is not None:
         out["upload"] = result.upload

@@ -9,7 +9,7 @@ user sees them (the CLI shows no run logs); the checkpoint's caches are forgotte
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -19,7 +19,7 @@ from mergeflow.errors import MergeflowError, one_line
 from mergeflow.io.fs import TargetLock
 from mergeflow.io.interrupt import request_stop
 from mergeflow.io.os_errors import typed_os_error
-from mergeflow.io.prefetch import DigestPrefetch
+from mergeflow.io.session import enter_session
 from mergeflow.io.staging import (
     check_target,
     orphans_of,
@@ -28,7 +28,6 @@ from mergeflow.io.staging import (
 )
 from mergeflow.records import MergePlan
 from mergeflow.sources.base import Indexing
-from mergeflow.sources.registry import forget as forget_checkpoint
 from mergeflow.sources.registry import source_named
 
 
@@ -82,11 +81,10 @@ def prepare_staging(plan: MergePlan) -> None:
         print(f"mergeflow: note: {one_line(note)}", file=sys.stderr)  # the CLI shows no run logs
 
 
-def forget_export_caches(local_dir: str | None) -> None:
-    """What this process cached about the checkpoint (open rank files, prefetched digests) goes with the export."""
-    actor_dir = Path(local_dir or "").expanduser().resolve()
-    forget_checkpoint(actor_dir)
-    DigestPrefetch.forget(actor_dir)
+def enter_export_session() -> Callable[[], None]:
+    """This export's state (digest prefetch, parsed checkpoint metadata, files read): the CLI's session when it
+    planned the pre-flight in this process, else a new one; returns what ends it. Nothing process-wide to clear."""
+    return enter_session()
 
 
 def indexed_by_metadata(plan: MergePlan) -> bool:

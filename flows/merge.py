@@ -23,7 +23,7 @@ from mergeflow.flows.artifacts import (
     start_progress,
 )
 from mergeflow.flows.export_run import (
-    forget_export_caches,
+    enter_export_session,
     index_units,
     indexed_by_metadata,
     indexed_note,
@@ -169,6 +169,7 @@ def merge_flow(config: ModelMergerConfig) -> JsonObject:  # its result is the CL
     # One line an operator reads first: what is merged onto what, and where it goes.
     logger.info("Merging %s onto base %s -> %s (format %s, dtype %s)", config.local_dir, config.base_model,
                 config.target_dir, config.output_format, config.dtype)
+    leave = enter_export_session()  # this export's own state: the CLI's session, else this run's
     try:
         with typed_os_errors():  # before the lock (inspection, the lock itself): nothing staged yet
             merge_progress().begin(INSPECTING)
@@ -176,7 +177,7 @@ def merge_flow(config: ModelMergerConfig) -> JsonObject:  # its result is the CL
             with target_locked(plan):
                 result, manifest = run_export(plan, config.allow_unchanged)
     finally:
-        forget_export_caches(config.local_dir)
+        leave()  # nothing process-wide to clear: the session goes with the export
     label = export_label(plan.output.target, plan.checkpoint.actor_dir)  # the progress artifact's key too
     total = publish_manifest_artifacts(plan, manifest, result["output_dir"], label)
     logger.info("Published %s: %d files, %d bytes in %.1f s", result["output_dir"], len(manifest.files) + 1, total,

@@ -137,18 +137,16 @@ def plain_export(config: ModelMergerConfig, run: PlainRun | None = None) -> dict
     """flows/merge.py's merge_flow + run_export for an export without LoRA or a tensor conversion, as plain calls.
 
     No flow run, no task runner, no result cache: each step calls the domain function (the task's
-    `.fn`) in the flow's order, with the flow's lock, kept-staging and cache-forgetting behaviour.
+    `.fn`) in the flow's order, with the flow's lock, kept-staging and export session.
     """
     from mergeflow.errors import MergeflowError
     from mergeflow.export.plan.build import build_plan
     from mergeflow.io.fs import TargetLock
-    from mergeflow.io.prefetch import DigestPrefetch
+    from mergeflow.io.session import export_session
     from mergeflow.io.staging import settle_failed_staging
-    from mergeflow.sources.verl import RankStates
 
     run = run if run is not None else PlainRun()
-    actor_dir = Path(config.local_dir or "").expanduser().resolve()
-    try:
+    with export_session():  # as merge_flow: this export's state, dropped after it
         run.stage = "inspect"
         config.validate()  # merge_model's first step
         plan = run.plan = build_plan(config)
@@ -160,9 +158,6 @@ def plain_export(config: ModelMergerConfig, run: PlainRun | None = None) -> dict
             raise settle_failed_staging(exc, Path(plan.output.staging)) from None
         finally:
             lock.release()
-    finally:
-        RankStates.forget(actor_dir)
-        DigestPrefetch.forget(actor_dir)
     run.stage = "done"
     return result
 

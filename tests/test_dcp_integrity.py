@@ -37,7 +37,7 @@ import mergeflow.errors as E
 from mergeflow.export.reconstruct.rank_index import hash_rank_file
 from mergeflow.formats import dcp
 from mergeflow.io.fs import FileStamp
-from mergeflow.io.prefetch import DigestPrefetch
+from mergeflow.io.session import export_session
 from mergeflow.sources import dcp as dcp_source
 from mergeflow.sources.registry import file_hasher
 from tests.fixtures.dcp_writers import DcpCheckpoint
@@ -214,19 +214,16 @@ def test_the_background_pass_keeps_its_verdict_for_the_hash_task(copy: Path) -> 
     chunk, key = _flip_tensor_bit(copy)
     path, hasher = copy / VICTIM, file_hasher("dcp")
     stamp = FileStamp.of(path)
-    try:
-        DigestPrefetch.start([copy / name for name in dcp.open_dcp(copy).files], hasher=hasher)
-        assert DigestPrefetch.take(path, stamp) is None  # a plain digest is never asked of a checked pass
+    with export_session() as session:  # the hash task finds the export's background pass in its session
+        session.digests.start([copy / name for name in dcp.open_dcp(copy).files], hasher=hasher)
+        assert session.digests.take(path, stamp) is None  # a plain digest is never asked of a checked pass
         with pytest.raises(E.CheckpointError, match=_message(VICTIM, "data/0", key, chunk)):
-            DigestPrefetch.take(path, stamp, hasher=hasher)
+            session.digests.take(path, stamp, hasher=hasher)
         with pytest.raises(E.CheckpointError, match=_message(VICTIM, "data/0", key, chunk)):
             hash_rank_file(copy, VICTIM, stamp, hasher)
         metadata = copy / ".metadata"
-        assert DigestPrefetch.take(metadata, FileStamp.of(metadata), hasher=hasher) == hashlib.sha256(
+        assert session.digests.take(metadata, FileStamp.of(metadata), hasher=hasher) == hashlib.sha256(
             metadata.read_bytes()).hexdigest()
-    finally:
-        DigestPrefetch.forget(copy)
-        dcp.forget_parsed(copy)
 
 
 # --- whole exports ---------------------------------------------------------------------------------------
@@ -332,7 +329,6 @@ def test_a_parameter_chunk_reads_as_its_tensor(accelerate_dcp: DcpCheckpoint, co
     got = dcp_source.read_tensor(dcp.DcpChunks(parsed), name)
     assert type(got) is torch.Tensor
     assert_bit_exact({name: accelerate_dcp.trained[key]}, {name: got})
-    dcp.forget_parsed(copy)
 
 
 def test_a_full_disk_met_by_a_plain_write_names_the_file(tmp_path: Path) -> None:

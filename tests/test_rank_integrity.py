@@ -21,7 +21,7 @@ from mergeflow.errors import CheckpointError
 from mergeflow.export.reconstruct.rank_index import hash_rank_file
 from mergeflow.formats.zip_records import sha256_and_check_records
 from mergeflow.io.fs import FileStamp
-from mergeflow.io.prefetch import DigestPrefetch
+from mergeflow.io.session import export_session
 
 RANK = "model_world_size_2_rank_1.pt"
 
@@ -127,27 +127,23 @@ def test_a_file_that_is_not_an_archive_is_only_hashed(tmp_path: Path) -> None:
 def test_the_background_pass_keeps_its_verdict_for_the_hash_task(rank_file: Path) -> None:
     info = _flip_a_bit(rank_file)
     stamp = FileStamp.of(rank_file)
-    try:
-        DigestPrefetch.start([rank_file], hasher=sha256_and_check_records)
-        assert DigestPrefetch.take(rank_file, stamp) is None  # a plain digest is never asked of a checked pass
+    with export_session() as session:  # the hash task finds the export's background pass in its session
+        session.digests.start([rank_file], hasher=sha256_and_check_records)
+        assert session.digests.take(rank_file, stamp) is None  # a plain digest is never asked of a checked pass
         with pytest.raises(CheckpointError, match=_damage_message(rank_file, info)):
-            DigestPrefetch.take(rank_file, stamp, hasher=sha256_and_check_records)
+            session.digests.take(rank_file, stamp, hasher=sha256_and_check_records)
         with pytest.raises(CheckpointError, match=_damage_message(rank_file, info)):
             hash_rank_file(rank_file.parent, rank_file.name, stamp)
-    finally:
-        DigestPrefetch.forget(rank_file.parent)
 
 
 def test_the_hash_task_checks_records_itself_when_only_a_plain_digest_was_prefetched(rank_file: Path) -> None:
     info = _flip_a_bit(rank_file)
     stamp = FileStamp.of(rank_file)
-    try:
-        DigestPrefetch.start([rank_file])  # sha256 only
-        assert DigestPrefetch.take(rank_file, stamp) == hashlib.sha256(rank_file.read_bytes()).hexdigest()
+    with export_session() as session:
+        session.digests.start([rank_file])  # sha256 only
+        assert session.digests.take(rank_file, stamp) == hashlib.sha256(rank_file.read_bytes()).hexdigest()
         with pytest.raises(CheckpointError, match=_damage_message(rank_file, info)):
             hash_rank_file(rank_file.parent, rank_file.name, stamp)
-    finally:
-        DigestPrefetch.forget(rank_file.parent)
 
 
 def test_an_export_of_a_checkpoint_with_one_flipped_bit_is_refused_publishing_nothing(pristine: Export, tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ from mergeflow.formats.weight_index import read_weights
 from mergeflow.io.config_paths import is_config_json, strip_local_paths
 from mergeflow.io.jsonfiles import JsonObject, read_json_strict
 from mergeflow.io.paths import check_relative_name
+from mergeflow.io.session import current_session
 
 # Tool state beside a model, not part of it (`hf download --local-dir` writes .cache/huggingface).
 SKIPPED_TOP_DIRS = {".cache": "download tool state", ".git": "version-control metadata"}
@@ -210,12 +211,12 @@ def check_pipeline_contract(base_dir: Path, *, component: str, trust_remote_code
     changes = {}
     for rel in copy_files:
         if is_config_json(rel):
-            _, removed = strip_local_paths(rel, (base_dir / rel).read_bytes(), str(base_dir))
+            _, removed = strip_local_paths(rel, current_session().read_bytes(base_dir / rel), str(base_dir))
             if removed:
                 changes[rel] = removed
     # The trained config.json is written at publish by the same rule: a local path it would keep
     # is refused now, not after every shard is written.
-    strip_local_paths(f"{component}/config.json", (base_dir / component / "config.json").read_bytes(), str(base_dir))
+    strip_local_paths(f"{component}/config.json", current_session().read_bytes(base_dir / component / "config.json"), str(base_dir))
     return PipelineContract(arch, index_file, components, tuple(files), copy_files, excluded, changes)
 
 

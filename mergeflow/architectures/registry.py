@@ -199,6 +199,13 @@ def detect_base(base_dir: Path, component: str = "transformer") -> BaseLayout:
     return BaseLayout("transformer", name, TRANSFORMER_ARCH.get(name, name), base_dir)
 
 
+
+def base_layout(base_dir: Path, component: str = "transformer") -> BaseLayout:
+    """`detect_base`, run once per export (mergeflow.io.session): the pre-flight, the plan and LoRA ask alike."""
+    from mergeflow.io.session import current_session
+
+    return current_session().once("base-layout", f"{base_dir}\0{component}", lambda: detect_base(base_dir, component))
+
 ADAPTERS: dict[str, ArchitectureAdapter] = {a.name: a for a in (DIFFUSERS, REMOTE_CODE, MINIMAX_H3_NATIVE)}
 
 

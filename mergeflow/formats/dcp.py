@@ -15,6 +15,7 @@ reconstruct's one path (verified_chunks -> global_pieces -> verify_round_trip) a
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 from dataclasses import dataclass
@@ -43,7 +44,8 @@ from mergeflow.formats.zip_records import (
     embedded_records,
     sha256_and_check,
 )
-from mergeflow.io.fs import HASH_BLOCK, FileStamp, sha256_file
+from mergeflow.io.fs import HASH_BLOCK, FileStamp
+from mergeflow.io.session import current_session
 from mergeflow.io.stamped_cache import StampedCache
 
 # Module names that wrappers put in front of the Diffusers model's own state-dict names:
@@ -99,7 +101,7 @@ def read_metadata(directory: Path, *, trust_checkpoint: bool = False) -> Any:
     problem = not_a_dcp_dir(directory)
     if problem or not (directory / METADATA).exists():
         raise CheckpointError(problem or f"{directory.name}/ has no {METADATA}: it is not a torch Distributed Checkpoint")
-    data = regular_file(directory / METADATA).read_bytes()
+    data = current_session().read_bytes(regular_file(directory / METADATA))  # once per export: the hash pass shares it
     try:
         return dcp_pickle.load_metadata(data)
     except dcp_pickle.NotSafeMetadata as exc:
@@ -259,11 +261,8 @@ class DcpChunks:
 
 # --- the parsed `.metadata`, once per process, and the hash pass that CRC-checks every record ---------------
 
-_PARSED: StampedCache[DcpCheckpoint] = StampedCache(capacity=8)
-
-
 def parsed_dcp(directory: Path, *, trust_checkpoint: bool = False) -> DcpCheckpoint:
-    """`open_dcp`, parsed once per `.metadata` stamp in this process: the shard tasks and the hash pass share it."""
+    """`open_dcp`, parsed once per `.metadata` stamp in this export (its session): the shard tasks and the hash pass share it."""
     stamp = FileStamp.of(directory / METADATA)
 
     def load() -> DcpCheckpoint:
@@ -273,12 +272,8 @@ def parsed_dcp(directory: Path, *, trust_checkpoint: bool = False) -> DcpCheckpo
                                     "wait until the save has finished")
         return checkpoint
 
-    return _PARSED.get_or_load((str(directory), stamp, trust_checkpoint), load)
-
-
-def forget_parsed(directory: Path) -> None:
-    """Drop a checkpoint's parsed metadata once its export is over (a long-running `serve`)."""
-    _PARSED.forget(lambda path: path == str(directory))
+    parsed: StampedCache[DcpCheckpoint] = current_session().cache("dcp-parsed", capacity=8)
+    return parsed.get_or_load((str(directory), stamp, trust_checkpoint), load)
 
 
 def _check_records(path: Path, trust_checkpoint: bool, block: int = HASH_BLOCK) -> str:
@@ -288,7 +283,7 @@ def _check_records(path: Path, trust_checkpoint: bool, block: int = HASH_BLOCK) 
     `.metadata` is a plain pickle without CRCs: hashed only (its damage fails the parse or the chunk ranges).
     """
     if path.name == METADATA:
-        return sha256_file(regular_file(path), block)
+        return hashlib.sha256(current_session().read_bytes(regular_file(path))).hexdigest()  # the bytes the parse reads
     checkpoint = parsed_dcp(path.parent, trust_checkpoint=trust_checkpoint)
     if path.name not in checkpoint.files:  # the parse refuses files .metadata does not name: not expected here
         raise CheckpointError(f"{path.name} in {path.parent.name}/ is not named by its {METADATA}; remove it")

@@ -10,6 +10,7 @@ from typing import Any
 
 from mergeflow.errors import MergeflowError
 from mergeflow.io.os_errors import name_written_file
+from mergeflow.io.session import active_session
 
 # A JSON object as read from or written to a file (a config, an index, a manifest, an event
 # payload, a command's JSON result). Its schema is its file format's, checked where it is read;
@@ -33,8 +34,10 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> JsonObject:
 
 def read_json_strict(path: Path, error: type[MergeflowError], what: str) -> Any:
     """Parse `path` as JSON, raising `error` (one line, naming `what`) on any defect."""
+    session = active_session()
     try:
-        text = path.read_text(encoding="utf-8")
+        # Within an export each metadata file is read once: the pre-flight, the plan and the checks share its text.
+        text = session.read_bytes(path).decode("utf-8") if session is not None else path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise error(f"{what} is missing: expected {path.name} in {path.parent.name}/") from None
     except (OSError, UnicodeDecodeError) as exc:

@@ -15,12 +15,12 @@ stands in for a checked one.
 
 from __future__ import annotations
 
+import contextvars
 import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
 
 from mergeflow.errors import MergeflowError
 from mergeflow.io.fs import FileStamp, sha256_file
@@ -43,40 +43,42 @@ class DigestPrefetch:
     """One daemon thread hashing queued files in order; results keyed by path, checked by stamp.
 
     A daemon thread, not an executor: a process that ends (a refusal, Ctrl-C) does not wait
-    for a gigabyte of hashing nobody will read.
+    for a gigabyte of hashing nobody will read. One per export (mergeflow.io.session.ExportSession):
+    dropped with the export, its thread ends once its queue is empty.
     """
 
-    _jobs: ClassVar[dict[str, _Job]] = {}
-    _queue: ClassVar[queue.Queue[_Job]] = queue.Queue()
-    _lock: ClassVar[threading.Lock] = threading.Lock()
-    _thread: ClassVar[threading.Thread | None] = None
+    def __init__(self) -> None:
+        self._jobs: dict[str, _Job] = {}
+        self._queue: queue.Queue[_Job] = queue.Queue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
 
-    @classmethod
-    def start(cls, paths: list[Path], hasher: Hasher = sha256_file) -> None:
+    def start(self, paths: list[Path], hasher: Hasher = sha256_file) -> None:
         """Queue files for hashing with `hasher` (each once; a file already queued or hashed with it is left as it is)."""
-        with cls._lock:
+        with self._lock:
             for path in paths:
                 key = str(path)
-                queued = cls._jobs.get(key)
+                queued = self._jobs.get(key)
                 if queued is not None and not queued.cancelled:
                     if queued.hasher is hasher:
                         continue
                     queued.cancelled = True  # asked for with another hasher: the later request decides
-                job = cls._jobs[key] = _Job(path, hasher)
-                cls._queue.put(job)
-            if cls._thread is None or not cls._thread.is_alive():
-                cls._thread = threading.Thread(target=cls._run, name="rank-digests", daemon=True)
-                cls._thread.start()
+                job = self._jobs[key] = _Job(path, hasher)
+                self._queue.put(job)
+            if self._thread is None or not self._thread.is_alive():
+                # In the export's context: a hasher finds the export's session (DCP: its parsed .metadata).
+                run = contextvars.copy_context().run
+                self._thread = threading.Thread(target=run, args=(self._run,), name="rank-digests", daemon=True)
+                self._thread.start()
 
-    @classmethod
-    def _run(cls) -> None:
+    def _run(self) -> None:
         while True:
             try:
-                job = cls._queue.get(timeout=1.0)
+                job = self._queue.get(timeout=1.0)
             except queue.Empty:
-                with cls._lock:
-                    if cls._queue.empty():
-                        cls._thread = None
+                with self._lock:
+                    if self._queue.empty():
+                        self._thread = None
                         return
                 continue
             try:
@@ -97,14 +99,13 @@ class DigestPrefetch:
             finally:
                 job.done.set()
 
-    @classmethod
-    def take(cls, path: Path, stamp: FileStamp, hasher: Hasher = sha256_file) -> str | None:
+    def take(self, path: Path, stamp: FileStamp, hasher: Hasher = sha256_file) -> str | None:
         """`hasher`'s digest of `path` as it was with exactly `stamp`, waiting for it if queued; else None.
 
         Raises the hasher's error (a CheckpointError for a damaged rank file) when that was its verdict.
         """
-        with cls._lock:
-            job = cls._jobs.get(str(path))
+        with self._lock:
+            job = self._jobs.get(str(path))
         if job is None or job.cancelled or job.hasher is not hasher:
             return None
         job.done.wait()
@@ -114,10 +115,9 @@ class DigestPrefetch:
             raise job.error
         return job.digest
 
-    @classmethod
-    def forget(cls, directory: Path) -> None:
-        """Drop (and stop queued work on) the files of one directory once its export is over."""
-        prefix = str(directory)
-        with cls._lock:
-            for key in [k for k in cls._jobs if str(Path(k).parent) == prefix]:
-                cls._jobs.pop(key).cancelled = True
+    def cancel(self) -> None:
+        """Stop queued work (an export refused before its hash tasks ran)."""
+        with self._lock:
+            for job in self._jobs.values():
+                job.cancelled = True
+            self._jobs.clear()

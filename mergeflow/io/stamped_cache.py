@@ -1,4 +1,4 @@
-"""A small process-wide LRU of things parsed from checkpoint files, keyed so a stale entry never hits."""
+"""A small LRU of things parsed from checkpoint files, keyed so a stale entry never hits (one per export: mergeflow.io.session)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ StampedKey = tuple[str, FileStamp, bool]
 
 
 class StampedCache(Generic[V]):
-    """Parsed rank files or DCP metadata, shared by the tasks of one process (thread-safe, bounded)."""
+    """Parsed rank files or DCP metadata, shared by the tasks of one export (thread-safe, bounded)."""
 
     def __init__(self, capacity: int) -> None:
         self._items: OrderedDict[StampedKey, V] = OrderedDict()
@@ -36,12 +36,6 @@ class StampedCache(Generic[V]):
             while len(self._items) > self._capacity:
                 self._items.popitem(last=False)
         return value
-
-    def forget(self, belongs: Callable[[str], bool]) -> None:
-        """Drop every entry whose path `belongs` (a finished export's checkpoint)."""
-        with self._lock:
-            for key in [k for k in self._items if belongs(k[0])]:
-                del self._items[key]
 
     def __iter__(self) -> Iterator[StampedKey]:
         with self._lock:

@@ -18,6 +18,7 @@ from typing import Any
 
 from mergeflow.errors import LoraError
 from mergeflow.io.jsonfiles import JsonObject, parse_json_strict
+from mergeflow.io.session import current_session
 from mergeflow.lora.keys import AdapterModuleKeys
 
 TRAIN_META_NAME = "lora_train_meta.json"
@@ -120,7 +121,7 @@ def parse_train_meta(text: str | bytes, what: str = TRAIN_META_NAME) -> LoraTrai
 
 def load_train_meta(path: Path) -> LoraTrainMeta:
     """Read and parse a `lora_train_meta.json` file."""
-    return parse_train_meta(Path(path).read_bytes(), what=str(path))
+    return parse_train_meta(current_session().read_bytes(Path(path)), what=str(path))  # once per export
 
 
 def _lora_config_defaults() -> JsonObject:
@@ -200,7 +201,7 @@ def settings_from_config_dict(data: Mapping[str, Any], what: str = ADAPTER_CONFI
 
 def load_adapter_settings(path: Path) -> AdapterSettings:
     """Read a PEFT `adapter_config.json` (duplicate keys refused) into AdapterSettings."""
-    return settings_from_config_dict(_strict_object(Path(path).read_bytes(), str(path)), what=str(path))
+    return settings_from_config_dict(_strict_object(current_session().read_bytes(Path(path)), str(path)), what=str(path))
 
 
 def pattern_key(patterns: Iterable[str], module_path: str) -> str:

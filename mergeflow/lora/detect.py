@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from mergeflow.architectures.registry import BaseLayout, adapter_of, detect_base
+from mergeflow.architectures.registry import BaseLayout, adapter_of, base_layout
 from mergeflow.architectures.schema import model_schema, read_model_config
 from mergeflow.config import DEFAULT_ADAPTER_FORMAT, ModelMergerConfig
 from mergeflow.errors import BaseModelError, CheckpointError, LoraError, UsageError
@@ -18,6 +18,7 @@ from mergeflow.formats.weight_index import read_weight_map
 from mergeflow.io.fs import FileStamp, sha256_file
 from mergeflow.io.jsonfiles import JsonObject, read_json_strict
 from mergeflow.io.paths import check_no_overlap
+from mergeflow.io.session import current_session
 from mergeflow.io.staging import check_target
 from mergeflow.lora.config import (
     ADAPTER_CONFIG_NAME,
@@ -56,7 +57,7 @@ def _adapter_config_file(config: ModelMergerConfig, actor: Path) -> tuple[Path |
         return path.resolve(), "--adapter-config"
     cfg_dir = Path(config.hf_model_config_path or actor / "huggingface").expanduser().resolve()
     found = [p for p in (actor / ADAPTER_CONFIG_NAME, cfg_dir / ADAPTER_CONFIG_NAME) if p.is_file()]
-    if len(found) == 2 and found[0].read_bytes() != found[1].read_bytes():
+    if len(found) == 2 and current_session().read_bytes(found[0]) != current_session().read_bytes(found[1]):
         raise LoraError(f"two different {ADAPTER_CONFIG_NAME} files lie beside the checkpoint (in actor/ and "
                         f"{cfg_dir.name}/); remove the stale one or pass --adapter-config PATH")
     if not found:
@@ -201,7 +202,7 @@ def adapter_target(config: ModelMergerConfig, spec: LoraSpec, base: Path | None,
     """What a LoRA-only save's adapter export writes, with the base it names (checked when local)."""
     base_files: dict[str, str] = {}
     if base is not None:
-        layout = detect_base(base, config.component)
+        layout = base_layout(base, config.component)
         _refuse_unfit_base(layout, spec)
         base_config_path = layout.transformer_dir / "config.json"
         base_config = read_model_config(base_config_path, BaseModelError, f"{base_config_path.relative_to(base)} of the base")

@@ -48,12 +48,13 @@ class DiffusersTransformer(ModelOutput):
         from mergeflow.formats.weight_index import read_weight_headers
         from mergeflow.io.config_paths import strip_local_paths
         from mergeflow.io.fs import FileStamp, sha256_file
+        from mergeflow.io.session import current_session
 
         component_dir = layout.transformer_dir
         config_path = component_dir / "config.json"
         base_config = read_model_config(config_path, BaseModelError, f"{config_path.relative_to(base)} of the base")
         # Written at publish by the rule of every copied config: a local path it would keep is refused now.
-        strip_local_paths(str(config_path.relative_to(base)), config_path.read_bytes(), str(base))
+        strip_local_paths(str(config_path.relative_to(base)), current_session().read_bytes(config_path), str(base))
         schema = diffusers_schema(actor_config, base_config)
         headers = read_weight_headers(component_dir, WEIGHTS_NAME, BaseModelError, "the base")
         check_base_headers(headers, schema.tensors, schema.class_name)

@@ -154,11 +154,7 @@ class CheckpointSource(ABC):
 
     @abstractmethod
     def open_pieces(self, checkpoint: CheckpointInputs, *, trust_checkpoint: bool = False) -> PieceSource:
-        """The reader of a planned checkpoint's pieces (shared within the process)."""
-
-    @abstractmethod
-    def forget(self, directory: Path) -> None:
-        """Drop what this process keeps of a checkpoint (mappings, parsed metadata) once its export is over."""
+        """The reader of a planned checkpoint's pieces (shared within the export: mergeflow.io.session)."""
 
 
 def lora_adapter_names(keys: Iterable[str]) -> list[str]:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mergeflow.architectures.registry import detect_base
+from mergeflow.architectures.registry import base_layout
 from mergeflow.errors import (
     BaseModelError,
     CheckpointError,
@@ -64,27 +64,19 @@ def dcp_layouts(checkpoint: DcpCheckpoint) -> dict[str, TensorLayout]:
 
 
 class DcpSources:
-    """Parsed DCP checkpoints shared by the tasks of one process, keyed by the `.metadata` stamp:
+    """Parsed DCP checkpoints shared by the tasks of one export (its session), keyed by the `.metadata` stamp:
     `.metadata` is parsed once per export (formats.dcp.parsed_dcp, shared with the hash pass that
     CRC-checks the `.distcp` records) instead of once per shard task."""
-
-    _cache: StampedCache[DcpChunks] = StampedCache(capacity=8)
 
     @classmethod
     def chunks(cls, directory: Path, *, trust_checkpoint: bool = False) -> DcpChunks:
         from mergeflow.formats.dcp import DcpChunks, parsed_dcp
+        from mergeflow.io.session import current_session
 
         stamp = FileStamp.of(directory / METADATA)
-        return cls._cache.get_or_load((str(directory), stamp, trust_checkpoint),
-                                      lambda: DcpChunks(parsed_dcp(directory, trust_checkpoint=trust_checkpoint)))
-
-    @classmethod
-    def forget(cls, directory: Path) -> None:
-        """Drop a checkpoint's parsed metadata once its export is over (a long-running `serve`)."""
-        from mergeflow.formats.dcp import forget_parsed
-
-        cls._cache.forget(lambda path: path == str(directory))
-        forget_parsed(directory)
+        cache: StampedCache[DcpChunks] = current_session().cache("dcp-chunks", capacity=8)
+        return cache.get_or_load((str(directory), stamp, trust_checkpoint),
+                                 lambda: DcpChunks(parsed_dcp(directory, trust_checkpoint=trust_checkpoint)))
 
 
 def check_keys(checkpoint: DcpCheckpoint, expected: dict[str, tuple[int, ...]]) -> None:
@@ -178,7 +170,7 @@ class DcpSource(CheckpointSource):
                                      "config.json of --hf_model_config_path", CheckpointError)
         if base is None:
             raise UsageError(NO_MODEL_CONFIG)
-        path = detect_base(base, config.component).transformer_dir / "config.json"
+        path = base_layout(base, config.component).transformer_dir / "config.json"
         relative = path.relative_to(base).as_posix()
         return ModelConfigSource(path, BASE_CONFIG_PREFIX + relative, f"{relative} of the base", BaseModelError)
 
@@ -197,6 +189,3 @@ class DcpSource(CheckpointSource):
 
     def open_pieces(self, checkpoint: CheckpointInputs, *, trust_checkpoint: bool = False) -> DcpChunks:
         return DcpSources.chunks(Path(checkpoint.actor_dir), trust_checkpoint=trust_checkpoint)
-
-    def forget(self, directory: Path) -> None:
-        DcpSources.forget(directory)

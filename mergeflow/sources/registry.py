@@ -75,12 +75,6 @@ def open_pieces(checkpoint: CheckpointInputs, *, trust_checkpoint: bool = False)
     return source_named(checkpoint.format).open_pieces(checkpoint, trust_checkpoint=trust_checkpoint)
 
 
-def forget(directory: Path) -> None:
-    """Drop what this process keeps of a checkpoint, whichever kind it was, once its export is over."""
-    for source in SOURCES:
-        source.forget(directory)
-
-
 def require_local_dir(actor: Path) -> None:
     """Refuse a --local_dir that is not a directory; a missing one names the run's nearest checkpoints.
 

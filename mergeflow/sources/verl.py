@@ -41,13 +41,18 @@ if TYPE_CHECKING:
 
 
 class RankStates:
-    """The rank files of one checkpoint, opened with mmap (no private memory) and shared."""
+    """The rank files of one checkpoint, opened with mmap (no private memory) and shared by the export's tasks.
 
-    _cache: StampedCache[StateDict] = StampedCache(capacity=64)
+    Kept in the export's session (mergeflow.io.session): a long-running process (`mergeflow serve`)
+    keeps no old checkpoint mapped once its export is over, so training can free their disk space.
+    """
 
     def __init__(self, actor_dir: Path, rank_files: tuple[str, ...], *, trust_checkpoint: bool = False) -> None:
+        from mergeflow.io.session import current_session
+
         self.paths = [actor_dir / name for name in rank_files]
         self.trust = trust_checkpoint
+        self._cache: StampedCache[StateDict] = current_session().cache("verl-rank-states", capacity=64)
 
     def state(self, rank: int) -> StateDict:
         from mergeflow.formats.rank_files import (
@@ -57,16 +62,6 @@ class RankStates:
         path = self.paths[rank]
         return self._cache.get_or_load((str(path), FileStamp.of(path), self.trust),
                                        lambda: load_rank_state(path, trust_checkpoint=self.trust))
-
-    @classmethod
-    def forget(cls, actor_dir: Path) -> None:
-        """Drop the parsed states of one checkpoint once its export is over.
-
-        A long-running process (`mergeflow serve`) would otherwise keep old checkpoints
-        mapped, and the disk space of checkpoints that training deletes is only freed
-        when the last mapping goes.
-        """
-        cls._cache.forget(lambda path: str(Path(path).parent) == str(actor_dir))
 
     def local(self, rank: int, key: str) -> torch.Tensor:
         from mergeflow.formats.rank_files import local_tensor
@@ -174,6 +169,3 @@ class VerlSource(CheckpointSource):
 
     def open_pieces(self, checkpoint: CheckpointInputs, *, trust_checkpoint: bool = False) -> RankStates:
         return RankStates(Path(checkpoint.actor_dir), checkpoint.rank_files, trust_checkpoint=trust_checkpoint)
-
-    def forget(self, directory: Path) -> None:
-        RankStates.forget(directory)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from mergeflow.architectures.registry import detect_base
+from mergeflow.architectures.registry import base_layout
 from mergeflow.architectures.schema import (
     TensorBudget,
     read_model_config,
@@ -19,14 +19,16 @@ from mergeflow.architectures.schema import (
 )
 from mergeflow.config import ModelMergerConfig
 from mergeflow.errors import BaseModelError, MergeflowError
-from mergeflow.export.plan.preflight import check_output_format, resolve_inputs
+from mergeflow.export.plan.preflight import (
+    check_output_format,
+    preflight_merge,
+    resolve_inputs,
+)
 from mergeflow.export.plan.targets import TargetSchema
 from mergeflow.formats.manifest import fingerprint
-from mergeflow.io.confinement import check_export_links
 from mergeflow.io.fs import FileStamp, sha256_file
 from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.io.paths import lock_path_for, resolved_path_options, staging_dir_for
-from mergeflow.io.prefetch import DigestPrefetch
 from mergeflow.lora.detect import (
     adapter_target,
     detect_lora,
@@ -45,10 +47,8 @@ from mergeflow.records import (
 )
 from mergeflow.sources.base import ModelConfigSource
 from mergeflow.sources.registry import (
-    file_hasher,
     model_config_source,
     open_checkpoint,
-    require_local_dir,
 )
 
 # Options that do not change a byte of the artifact stay out of the fingerprint, so changing
@@ -68,13 +68,13 @@ class _Decided:
 
 def build_plan(config: ModelMergerConfig) -> MergePlan:
     """Decide everything about an export from metadata alone, refusing bad input early."""
-    config.validate()
+    # Stage 1, the pre-flight: flags, paths, links, listings, small JSON, the base's layout and classes.
+    # The command line's answer when it ran it in this export; here otherwise (a served run). Its files
+    # (the manifest's source-file digests) are hashed on the idle core from then on.
+    preflight_merge(config)
+    # Stage 2: the checkpoint's own metadata (verl's rank 0, or a DCP's .metadata) and the schema.
     actor = Path(config.local_dir or "").expanduser().resolve()
-    require_local_dir(actor)
-    check_export_links(config.local_dir, config.base_model, config.hf_model_config_path)  # before the first read
-    checkpoint = open_checkpoint(actor, trust_checkpoint=config.trust_checkpoint)  # verl's rank 0, or a DCP's .metadata
-    # The manifest's source-file digests: hashed on the idle core while the schema is built.
-    DigestPrefetch.start([actor / name for name in checkpoint.files], hasher=file_hasher(checkpoint.format, config.trust_checkpoint))
+    checkpoint = open_checkpoint(actor, trust_checkpoint=config.trust_checkpoint)
     lora = detect_lora(config, checkpoint)  # None without LoRA; LoRA faults are refused here, before any output
     adapter_only = lora is not None and lora.adapter_only
     # A LoRA-only adapter needs no local base: its base may be a Hub name.
@@ -121,7 +121,7 @@ def build_plan(config: ModelMergerConfig) -> MergePlan:
 def _model_export(config: ModelMergerConfig, lora: LoraSpec | None, base: Path, model_config: ModelConfigSource,
                   held: int) -> _Decided:
     """A pipeline or standalone transformer: the local base's schema, files and (for LoRA) weights."""
-    layout = detect_base(base, config.component)
+    layout = base_layout(base, config.component)
     check_output_format(config, layout)
     actor_config = read_model_config(model_config.path, model_config.error, model_config.what)
     budget = TensorBudget.for_checkpoint(held, actor_config, _base_config_if_readable(layout.transformer_dir / "config.json"))

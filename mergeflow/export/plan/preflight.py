@@ -2,9 +2,9 @@
 
 `preflight_merge` runs in the command line before any Prefect server is started or
 contacted, so a wrong path or flag costs a fraction of a second instead of a server start.
-It reads directory listings and small JSON files only. The flow's inspect task still runs
-every one of these checks (and the data-dependent ones) itself; the pre-flight may only
-refuse what the flow would refuse too, never something it would accept. Where the flow's
+It reads directory listings and small JSON files only. It is the first stage of the flow's
+inspect task too (`build_plan`), which runs it when the command line did not in this export;
+the pre-flight may only refuse what the flow would refuse too, never something it would accept. Where the flow's
 decision depends on the rank files' keys (is this a LoRA-only save?), the pre-flight runs
 only the checks that every branch of that decision runs.
 """
@@ -12,11 +12,12 @@ only the checks that every branch of that decision runs.
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 from functools import lru_cache
 from pathlib import Path
 
-from mergeflow.architectures.registry import BaseLayout, detect_base
+from mergeflow.architectures.registry import BaseLayout, base_layout
 from mergeflow.config import DEFAULT_ADAPTER_FORMAT, ModelMergerConfig
 from mergeflow.errors import (
     BaseModelError,
@@ -29,6 +30,7 @@ from mergeflow.formats.verl_checkpoint import LORA_META
 from mergeflow.io.jsonfiles import JsonObject, read_json_strict
 from mergeflow.io.os_errors import check_target_parent
 from mergeflow.io.paths import check_no_overlap
+from mergeflow.io.session import active_session, current_session
 from mergeflow.io.staging import check_target
 from mergeflow.outputs.registry import model_output
 from mergeflow.sources.registry import require_local_dir, source_for
@@ -37,7 +39,16 @@ CHECKPOINT_CONFIG = "huggingface/config.json of the checkpoint"
 
 
 def resolve_inputs(config: ModelMergerConfig) -> dict[str, Path]:
-    """Absolute input/output paths, checked for existence and overlap."""
+    """Absolute input/output paths, checked for existence and overlap (once per export)."""
+    return dict(current_session().once("inputs", config_key(config), lambda: _resolve_inputs(config)))
+
+
+def config_key(config: ModelMergerConfig) -> str:
+    """What keys an export's planning in its session: every option as given."""
+    return json.dumps(config.to_dict(), sort_keys=True, default=str)
+
+
+def _resolve_inputs(config: ModelMergerConfig) -> dict[str, Path]:
     actor = Path(config.local_dir or "").expanduser().resolve()
     cfg_dir = Path(config.hf_model_config_path or actor / "huggingface").expanduser().resolve()
     base = local_base(config.base_model)
@@ -62,7 +73,7 @@ def local_base(base_model: str | None) -> Path:
 
 def check_base_fits(config: ModelMergerConfig, base: Path) -> BaseLayout:
     """The base's layout, once its kind fits the output format and it has the component (merge and serve)."""
-    layout = detect_base(base, config.component)
+    layout = base_layout(base, config.component)
     check_output_format(config, layout)
     model_output(config.output_format).check_component(config, layout)
     return layout
@@ -76,8 +87,23 @@ def check_output_format(config: ModelMergerConfig, layout: BaseLayout) -> None:
 def preflight_merge(config: ModelMergerConfig) -> list[Path]:
     """Refuse a merge whose flags, paths, fsdp_config.json, rank-file set or classes are wrong.
 
-    Returns the checkpoint files it found, so the caller can start hashing them at once.
+    The first stage of planning (`build_plan` starts with it): the command line runs it before
+    Prefect starts, and the flow's inspect task then finds its answer in the export's session
+    (mergeflow.io.session) instead of reading the files again; a served run runs it in the task.
+    Returns the checkpoint files it found; within an export they are being hashed from then on.
     """
+    session = active_session()
+    if session is None:
+        return _stage_one(config)
+    files: list[Path] = session.once("plan-stage-1", config_key(config), lambda: _stage_one(config))
+    if files:
+        # The manifest's source-file digests, hashed from now on on the core the imports leave idle.
+        hasher = source_for(files[0].parent).file_hasher(config.trust_checkpoint)  # after the refusals: may import torch
+        session.digests.start(files, hasher=hasher)
+    return files
+
+
+def _stage_one(config: ModelMergerConfig) -> list[Path]:
     config.validate()
     actor = Path(config.local_dir or "").expanduser().resolve()
     require_local_dir(actor)
@@ -137,7 +163,7 @@ def _preflight_dcp(config: ModelMergerConfig, actor: Path) -> None:
         return  # a Hub id: only a LoRA-only adapter export can take it, which the flow decides
     base = base_arg.resolve()
     check_no_overlap({"--local_dir": actor, "--base_model": base, "--target_dir": target})
-    layout = detect_base(base, config.component)
+    layout = base_layout(base, config.component)
     check_output_format(config, layout)
     if cfg_dir is not None:
         check_no_overlap({"--hf_model_config_path": cfg_dir, "--base_model": base})
@@ -162,7 +188,7 @@ def _preflight_maybe_adapter(config: ModelMergerConfig, actor: Path) -> None:
         return
     base = base_arg.resolve()
     check_no_overlap({"--local_dir": actor, "--base_model": base, "--target_dir": target})
-    layout = detect_base(base, config.component)
+    layout = base_layout(base, config.component)
     if model_output(config.output_format).compares_classes(config, layout):
         _check_same_diffusers_class(actor_config, base, layout)
 

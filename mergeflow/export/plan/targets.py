@@ -13,6 +13,7 @@ from pathlib import Path
 from mergeflow.architectures.adapters import diffusers_schema  # noqa: F401  (lora/detect.py imports it from here)
 from mergeflow.formats.manifest import ArtifactType
 from mergeflow.io.fs import FileStamp, sha256_file
+from mergeflow.io.session import carry_session
 from mergeflow.records import Conversion
 
 
@@ -39,5 +40,5 @@ def hash_base_files(base: Path, files: tuple[str, ...], workers: int) -> dict[st
     """sha256 of every base file, largest first across a few threads (hashlib releases the GIL)."""
     ordered = sorted(files, key=lambda rel: -(base / rel).stat().st_size)
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        digests = dict(zip(ordered, pool.map(lambda rel: sha256_file(base / rel), ordered)))
+        digests = dict(zip(ordered, pool.map(carry_session(lambda rel: sha256_file(base / rel)), ordered)))
     return dict(sorted(digests.items()))

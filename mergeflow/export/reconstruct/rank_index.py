@@ -9,7 +9,7 @@ from mergeflow.errors import CheckpointError, InputChangedError
 from mergeflow.formats.rank_files import describe_state
 from mergeflow.formats.zip_records import sha256_and_check_records
 from mergeflow.io.fs import FileStamp
-from mergeflow.io.prefetch import DigestPrefetch
+from mergeflow.io.session import current_session
 from mergeflow.records import RankIndex
 from mergeflow.sources.verl import RankStates
 
@@ -40,7 +40,7 @@ def hash_rank_file(actor_dir: Path, file_name: str, planned: FileStamp | None = 
     try:
         # Usually hashed and checked in the background since inspection, for this very stamp (mergeflow.io.prefetch);
         # a digest prefetched without the CRC checks is not taken.
-        digest = DigestPrefetch.take(path, before, hasher=hasher) or hasher(path)
+        digest = current_session().digests.take(path, before, hasher=hasher) or hasher(path)
     except CheckpointError:
         _unchanged_while_hashed(path, file_name, before)  # a file being rewritten is changing, not damaged
         raise

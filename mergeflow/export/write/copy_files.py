@@ -20,6 +20,7 @@ from mergeflow.io.fs import FileStamp, is_plain_file, sha256_file
 from mergeflow.io.interrupt import raise_if_stopped
 from mergeflow.io.jsonfiles import write_bytes_durable
 from mergeflow.io.os_errors import name_written_file, typed_os_error
+from mergeflow.io.session import carry_session, current_session
 from mergeflow.records import CopyResult, FileRecord, MergePlan
 
 
@@ -82,8 +83,10 @@ def copy_one(base: Path, artifact: Path, work: Path, rel: str, base_digest: str,
     dst.parent.mkdir(parents=True, exist_ok=True)
     removed: list[str] = []
     if is_config_json(rel):
-        with os.fdopen(_open_source(src), "rb") as handle:
-            raw = handle.read()
+        raw = current_session().known_bytes(src)  # a config this export read when planning: not opened again
+        if raw is None:
+            with os.fdopen(_open_source(src), "rb") as handle:
+                raw = handle.read()
         if hashlib.sha256(raw).hexdigest() != base_digest:
             raise InputChangedError(f"base file {rel} changed during the export; rerun once the base is stable")
         data, removed = strip_local_paths(rel, raw, str(base))
@@ -119,7 +122,7 @@ def copy_base_files(plan: MergePlan, *, workers: int = 2) -> CopyResult:
 
     try:
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-            results = list(pool.map(one, ordered))
+            results = list(pool.map(carry_session(one), ordered))
     except OSError as exc:
         typed = typed_os_error(exc, "copying the base's files")
         if typed is None:

@@ -37,6 +37,7 @@ from mergeflow.io.fs import FileStamp, sha256_file
 from mergeflow.io.interrupt import raise_if_stopped
 from mergeflow.io.jsonfiles import write_bytes_durable, write_json_durable
 from mergeflow.io.os_errors import name_written_file, typed_os_error
+from mergeflow.io.session import current_session
 from mergeflow.io.staging import file_stamp
 from mergeflow.io.streamio import BackgroundFlush, HashingWriter
 from mergeflow.lora.fusion import transformed_tensor, verify_transformed
@@ -272,7 +273,7 @@ def write_component_config(src: Path, dst: Path, base_dir: str) -> tuple[bytes, 
     still names it after the removal is refused rather than published.
     """
     rel = src.relative_to(base_dir).as_posix() if base_dir and src.is_relative_to(base_dir) else src.name
-    raw, removed = strip_local_paths(rel, src.read_bytes(), base_dir)
+    raw, removed = strip_local_paths(rel, current_session().read_bytes(src), base_dir)  # read once per export
     dst.parent.mkdir(parents=True, exist_ok=True)
     write_bytes_durable(dst, raw)
     return raw, removed
