@@ -28,13 +28,12 @@ from mergeflow.sources.base import (
     OpenedCheckpoint,
     lora_adapter_names,
 )
-from mergeflow.sources.verl_ranks import RankStates
 
 if TYPE_CHECKING:
-
     from mergeflow.config import ModelMergerConfig
     from mergeflow.io.jsonfiles import JsonObject
     from mergeflow.records import CheckpointInputs, RankIndex
+    from mergeflow.sources.verl_ranks import RankStates
 
 
 class VerlSource(CheckpointSource):
@@ -108,6 +107,10 @@ class VerlSource(CheckpointSource):
         names = tuple(rank_file_names(directory, fsdp.world_size))
         # mmap: unpickling the key list costs no private memory; every rank's keys are compared later.
         # Through the shared cache, so load-rank-00000 reuses the parsed file.
+        from mergeflow.sources.verl_ranks import (
+            RankStates,  # torch: never on the pre-flight's path
+        )
+
         keys = tuple(RankStates(directory, names[:1], trust_checkpoint=trust_checkpoint).state(0))
         return OpenedCheckpoint(self, directory, names, fsdp.world_size, fsdp.version, keys, self.marker_files)
 
@@ -134,4 +137,6 @@ class VerlSource(CheckpointSource):
         return f"Indexed {indexed} rank files of world size {checkpoint.world_size}"
 
     def open_pieces(self, checkpoint: CheckpointInputs, *, trust_checkpoint: bool = False) -> RankStates:
+        from mergeflow.sources.verl_ranks import RankStates
+
         return RankStates(Path(checkpoint.actor_dir), checkpoint.rank_files, trust_checkpoint=trust_checkpoint)
