@@ -36,12 +36,11 @@ def merge_direct(config: Any) -> dict[str, str]:
     from mergeflow.export.plan.build import build_plan
     from mergeflow.export.publish import finalize_staging, publish_staged
     from mergeflow.export.reconstruct.layout import rank_layouts
-    from mergeflow.export.reconstruct.rank_index import hash_rank_file, index_rank_file
     from mergeflow.export.reconstruct.rebuild import plan_tensor_writes
     from mergeflow.export.write.shard_writer import pack_shards, write_shard_file
     from mergeflow.io.fs import TargetLock
     from mergeflow.io.staging import check_target
-    from mergeflow.sources.verl import RankStates
+    from mergeflow.sources.verl_ranks import RankStates, hash_rank_file, index_rank_file
 
     plan = build_plan(config)
     trust = plan.options.trust_checkpoint

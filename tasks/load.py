@@ -9,10 +9,10 @@ from typing import Any
 
 from prefect import task
 
-from mergeflow.export.reconstruct.rank_index import hash_rank_file
 from mergeflow.io.fs import FileStamp
 from mergeflow.records import MergePlan, RankIndex
 from mergeflow.sources.registry import file_hasher, source_named
+from mergeflow.sources.verl_ranks import hash_rank_file
 from mergeflow.tasks import RETRY_IO
 
 

@@ -34,12 +34,12 @@ import torch
 from builders import assert_bit_exact, leftovers, output_state, tree_digest
 
 import mergeflow.errors as E
-from mergeflow.export.reconstruct.rank_index import hash_rank_file
 from mergeflow.formats import dcp
 from mergeflow.io.fs import FileStamp
 from mergeflow.io.session import export_session
 from mergeflow.sources import dcp as dcp_source
 from mergeflow.sources.registry import file_hasher
+from mergeflow.sources.verl_ranks import hash_rank_file
 from tests.fixtures.dcp_writers import DcpCheckpoint
 from tests.test_dcp import _shared_dcp
 

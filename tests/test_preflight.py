@@ -19,7 +19,8 @@ import pytest
 from builders import Export, make_export
 
 from mergeflow import errors as E
-from mergeflow.export.plan.preflight import _diffusers_exported_names, preflight_merge
+from mergeflow.export.plan.input_checks import _diffusers_exported_names
+from mergeflow.export.plan.preflight import preflight_merge
 
 REPO = Path(__file__).resolve().parents[1]
 UNREACHABLE_API = "http://127.0.0.1:9/api"  # the discard port: nothing answers there

@@ -18,10 +18,10 @@ from builders import Export, clone_export, make_export
 from test_refusals import expect_refusal
 
 from mergeflow.errors import CheckpointError
-from mergeflow.export.reconstruct.rank_index import hash_rank_file
 from mergeflow.formats.zip_records import sha256_and_check_records
 from mergeflow.io.fs import FileStamp
 from mergeflow.io.session import export_session
+from mergeflow.sources.verl_ranks import hash_rank_file
 
 RANK = "model_world_size_2_rank_1.pt"
 

@@ -11,11 +11,10 @@ from torch import nn
 
 from mergeflow.demo.checkpoints import save_fsdp_checkpoint
 from mergeflow.export.reconstruct.layout import chunk_sizes, plan_layouts
-from mergeflow.export.reconstruct.rank_index import index_rank_file
 from mergeflow.export.reconstruct.rebuild import all_finite
 from mergeflow.export.write.shard_writer import pack_shards, write_shard_file
 from mergeflow.records import TensorWrite
-from mergeflow.sources.verl import RankStates
+from mergeflow.sources.verl_ranks import RankStates, index_rank_file
 
 
 class Odd(nn.Module):

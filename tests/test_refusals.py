@@ -427,7 +427,7 @@ def test_unsafe_loader_rejects_but_trust_allows_a_harmless_custom_object(ex1: Ex
 def test_a_trusted_parse_is_never_reused_without_trust(ex1: Export) -> None:
     """Parsed rank files are shared within an export (RankStates); one that needed --trust-checkpoint is not."""
     from mergeflow.io.session import export_session
-    from mergeflow.sources.verl import RankStates
+    from mergeflow.sources.verl_ranks import RankStates
 
     _edit_plain(ex1, lambda s: s.update({"meta": pickle.loads(pickle.dumps(_Harmless()))}))
     names = ("model_world_size_1_rank_0.pt",)

@@ -20,13 +20,12 @@ from mergeflow.errors import (
 )
 from mergeflow.export.check import artifact_check
 from mergeflow.export.reconstruct.layout import plan_layouts
-from mergeflow.export.reconstruct.rank_index import hash_rank_file, index_rank_file
 from mergeflow.export.reconstruct.rebuild import same_bytes
 from mergeflow.export.write import shard_writer as write
 from mergeflow.io.fs import FileStamp
 from mergeflow.io.streamio import BackgroundFlush, HashingWriter
 from mergeflow.records import ShardPlan, TensorWrite, VerifiedFile
-from mergeflow.sources.verl import RankStates
+from mergeflow.sources.verl_ranks import RankStates, hash_rank_file, index_rank_file
 
 WORLD = 3
 

@@ -21,8 +21,9 @@ from mergeflow.formats.manifest import (
     UnchangedMeasurement,
     producer_versions,
 )
-from mergeflow.io.fs import fsync_dir, make_readable, rename_noreplace, sha256_file
+from mergeflow.io.fs import fsync_dir, make_readable, rename_noreplace
 from mergeflow.io.jsonfiles import write_json_durable
+from mergeflow.io.session import sha256_file
 from mergeflow.records import (
     FileRecord,
     MergePlan,
@@ -72,7 +73,7 @@ def build_manifest(
 ) -> Manifest:
     """The manifest of SPEC section 5, built from records only (no absolute paths).
 
-    rank_digests maps every rank file name to its sha256 (see mergeflow.export.reconstruct.rank_index.hash_rank_file).
+    rank_digests maps every rank file name to its sha256 (see mergeflow.sources.verl_ranks.hash_rank_file).
     """
     if set(rank_digests) != set(plan.checkpoint.rank_files):
         raise ArtifactInvalidError("the rank files hashed for the manifest are not the checkpoint's rank files")

@@ -32,9 +32,9 @@ from mergeflow.errors import (
 )
 from mergeflow.formats.manifest import MANIFEST_NAME
 from mergeflow.hub.retry import call_with_retries
-from mergeflow.io.fs import sha256_file
 from mergeflow.io.jsonfiles import JsonObject, read_json_strict
 from mergeflow.io.paths import check_relative_name
+from mergeflow.io.session import sha256_file
 from mergeflow.lora.artifact import adapter_only_root
 
 logger = logging.getLogger(__name__)

@@ -28,13 +28,9 @@ _AT_FDCWD = -100
 
 
 def sha256_file(path: Path, block: int = HASH_BLOCK) -> str:
-    """sha256 of a file, read in large blocks (hashlib releases the GIL on big updates)."""
-    from mergeflow.io.session import active_session  # it imports this module
+    """sha256 of a file, read in large blocks (hashlib releases the GIL on big updates).
 
-    session = active_session()
-    known = session.known_bytes(path) if session is not None else None
-    if known is not None:  # a config this export already read: hashed from those very bytes, not opened again
-        return hashlib.sha256(known).hexdigest()
+    An export hashes through mergeflow.io.session.sha256_file, which reuses the bytes it already read."""
     digest = hashlib.sha256()
     with open(path, "rb", buffering=0) as handle:
         if os.fstat(handle.fileno()).st_size < block:  # configs, tokenizers: one read, no zeroed buffer

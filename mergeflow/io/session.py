@@ -16,6 +16,7 @@ or `.metadata` that the tasks share.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from mergeflow.io import fs
 from mergeflow.io.fs import FileStamp
 from mergeflow.io.prefetch import DigestPrefetch
 from mergeflow.io.stamped_cache import StampedCache
@@ -144,3 +146,12 @@ def export_session(session: ExportSession | None = None) -> Iterator[ExportSessi
         yield _CURRENT.get()  # type: ignore[misc]
     finally:
         leave()
+
+
+def sha256_file(path: Path) -> str:
+    """sha256 of a file; a file this export already read (a config) is hashed from those very bytes, not opened again."""
+    session = active_session()
+    known = session.known_bytes(path) if session is not None else None
+    if known is not None:
+        return hashlib.sha256(known).hexdigest()
+    return fs.sha256_file(path)

@@ -16,8 +16,8 @@ from mergeflow.formats.manifest import (
     fingerprint,
 )
 from mergeflow.formats.safetensors_format import nbytes
-from mergeflow.io.fs import sha256_file
 from mergeflow.io.jsonfiles import write_bytes_durable, write_json_durable
+from mergeflow.io.session import sha256_file
 from mergeflow.lora.artifact import ADAPTER_DIR
 from mergeflow.lora.plan import (
     LoraPlan,

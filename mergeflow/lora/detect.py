@@ -15,10 +15,10 @@ from mergeflow.errors import BaseModelError, CheckpointError, LoraError, UsageEr
 from mergeflow.export.plan.targets import TargetSchema, diffusers_schema
 from mergeflow.formats.verl_checkpoint import LORA_META
 from mergeflow.formats.weight_index import read_weight_map
-from mergeflow.io.fs import FileStamp, sha256_file
+from mergeflow.io.fs import FileStamp
 from mergeflow.io.jsonfiles import JsonObject, read_json_strict
 from mergeflow.io.paths import check_no_overlap
-from mergeflow.io.session import current_session
+from mergeflow.io.session import current_session, sha256_file
 from mergeflow.io.staging import check_target
 from mergeflow.lora.config import (
     ADAPTER_CONFIG_NAME,

@@ -1,7 +1,7 @@
 """What `mergeflow serve` serves with, checked before a Prefect server is chosen or Prefect is imported.
 
 `ServeSettings.checked()` is serve's pre-flight: the roots exist, the choices are known, and the
-base models pass merge's own base checks (`mergeflow/export/plan/preflight.py`), so settings that
+base models pass merge's own base checks (`mergeflow/export/plan/input_checks.py`), so settings that
 would fail every triggered run are refused at start-up with one line. No Prefect here: the
 command line runs this before it points Prefect at a server (Prefect reads that when imported).
 """
@@ -27,7 +27,7 @@ from mergeflow.config import (
     TaskRunner,
 )
 from mergeflow.errors import MergeflowError, UsageError
-from mergeflow.export.plan.preflight import check_base_fits, local_base
+from mergeflow.export.plan.input_checks import check_base_fits, local_base
 from mergeflow.io.jsonfiles import JsonObject
 
 

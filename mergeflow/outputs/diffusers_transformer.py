@@ -47,8 +47,8 @@ class DiffusersTransformer(ModelOutput):
         from mergeflow.export.plan.targets import TargetSchema
         from mergeflow.formats.weight_index import read_weight_headers
         from mergeflow.io.config_paths import strip_local_paths
-        from mergeflow.io.fs import FileStamp, sha256_file
-        from mergeflow.io.session import current_session
+        from mergeflow.io.fs import FileStamp
+        from mergeflow.io.session import current_session, sha256_file
 
         component_dir = layout.transformer_dir
         config_path = component_dir / "config.json"

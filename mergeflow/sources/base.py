@@ -130,7 +130,7 @@ class CheckpointSource(ABC):
 
     def marker_digests(self, directory: Path) -> dict[str, str]:
         """sha256 of each marker file, for the manifest's source_files (after the hashed files)."""
-        from mergeflow.io.fs import sha256_file
+        from mergeflow.io.session import sha256_file
 
         return {name: sha256_file(directory / name) for name in self.marker_files}
 

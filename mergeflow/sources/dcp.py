@@ -130,10 +130,10 @@ class DcpSource(CheckpointSource):
     def preflight(self, config: ModelMergerConfig, directory: Path) -> list[Path]:
         # Whether it holds LoRA is in `.metadata` (a pickle the flow reads): only what every branch checks.
         from mergeflow.export.plan import (
-            preflight as checks,  # it imports this registry: hence here
+            input_checks as checks,  # imported here: they are not needed to plan
         )
 
-        checks._preflight_dcp(config, directory)
+        checks.preflight_dcp(config, directory)
         return self.listed_files(directory)
 
     def describe(self, directory: Path, *, trust_checkpoint: bool = False) -> JsonObject:

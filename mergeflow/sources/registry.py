@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mergeflow.errors import CheckpointError
-from mergeflow.formats.verl_checkpoint import step_of
 from mergeflow.sources.base import (
     CheckpointSource,
     ModelConfigSource,
@@ -73,39 +72,3 @@ def model_config_source(config: ModelMergerConfig, kind: str, config_dir: Path, 
 def open_pieces(checkpoint: CheckpointInputs, *, trust_checkpoint: bool = False) -> PieceSource:
     """The reader of a planned checkpoint's pieces: rank files (mmap) or DCP chunks (their byte ranges)."""
     return source_named(checkpoint.format).open_pieces(checkpoint, trust_checkpoint=trust_checkpoint)
-
-
-def require_local_dir(actor: Path) -> None:
-    """Refuse a --local_dir that is not a directory; a missing one names the run's nearest checkpoints.
-
-    A typo in the step (global_step_70 where the run saved 60 and 80) is the usual cause, so the
-    message lists the existing `global_step_N/actor` directories nearest to the step asked for.
-    """
-    if actor.is_dir():
-        return
-    if actor.exists():
-        raise CheckpointError(f"--local_dir {actor} is not a directory")
-    nearest = nearest_checkpoints(actor)
-    hint = f"; the nearest checkpoints of that run: {', '.join(map(str, nearest))}" if nearest else ""
-    raise CheckpointError(f"--local_dir {actor} does not exist{hint}")
-
-
-def nearest_checkpoints(missing: Path, count: int = 3) -> list[Path]:
-    """The existing checkpoint directories of the training run `missing` points into, nearest step first.
-
-    The run is the parent of the path's `global_step_N` part, else the nearest existing ancestor.
-    Each result is the directory to pass: `global_step_M/actor` where verl saved one, else `global_step_M`.
-    """
-    wanted = next((step for step in map(step_of, reversed(missing.parts)) if step is not None), None)
-    run = next((p.parent for p in (missing, *missing.parents) if step_of(p.name) is not None), None)
-    if run is None:
-        run = next((p for p in missing.parents if p.is_dir()), None)
-    if run is None or not run.is_dir():
-        return []
-    try:
-        steps = [(n, p) for p in run.iterdir() if (n := step_of(p.name)) is not None and p.is_dir()]
-    except OSError:  # an unreadable run directory: no hint rather than a second error
-        return []
-    # Nearest to the step asked for (the later one on a tie); without one, the latest.
-    steps.sort(key=lambda item: (abs(item[0] - wanted), -item[0]) if wanted is not None else -item[0])
-    return [p / "actor" if (p / "actor").is_dir() else p for _, p in steps[:count]]

@@ -21,8 +21,6 @@ from mergeflow.formats.verl_checkpoint import (
     read_fsdp_config,
 )
 from mergeflow.formats.zip_records import sha256_and_check_records
-from mergeflow.io.fs import FileStamp
-from mergeflow.io.stamped_cache import StampedCache
 from mergeflow.sources.base import (
     CheckpointSource,
     Indexing,
@@ -32,44 +30,10 @@ from mergeflow.sources.base import (
 )
 
 if TYPE_CHECKING:
-    import torch
-
     from mergeflow.config import ModelMergerConfig
-    from mergeflow.formats.rank_pickle import StateDict
     from mergeflow.io.jsonfiles import JsonObject
     from mergeflow.records import CheckpointInputs, RankIndex
-
-
-class RankStates:
-    """The rank files of one checkpoint, opened with mmap (no private memory) and shared by the export's tasks.
-
-    Kept in the export's session (mergeflow.io.session): a long-running process (`mergeflow serve`)
-    keeps no old checkpoint mapped once its export is over, so training can free their disk space.
-    """
-
-    def __init__(self, actor_dir: Path, rank_files: tuple[str, ...], *, trust_checkpoint: bool = False) -> None:
-        from mergeflow.io.session import current_session
-
-        self.paths = [actor_dir / name for name in rank_files]
-        self.trust = trust_checkpoint
-        self._cache: StampedCache[StateDict] = current_session().cache("verl-rank-states", capacity=64)
-
-    def state(self, rank: int) -> StateDict:
-        from mergeflow.formats.rank_files import (
-            load_rank_state,  # torch: not on the pre-flight's path
-        )
-
-        path = self.paths[rank]
-        return self._cache.get_or_load((str(path), FileStamp.of(path), self.trust),
-                                       lambda: load_rank_state(path, trust_checkpoint=self.trust))
-
-    def local(self, rank: int, key: str) -> torch.Tensor:
-        from mergeflow.formats.rank_files import local_tensor
-
-        try:
-            return local_tensor(self.state(rank)[key])
-        except KeyError:
-            raise CheckpointError(f"rank file {self.paths[rank].name} no longer holds {key}; was it rewritten?") from None
+    from mergeflow.sources.verl_ranks import RankStates
 
 
 class VerlSource(CheckpointSource):
@@ -89,16 +53,17 @@ class VerlSource(CheckpointSource):
         return sha256_and_check_records  # one zip per rank file: every record's CRC-32 checked while hashing
 
     def preflight(self, config: ModelMergerConfig, directory: Path) -> list[Path]:
-        # The shared checks live with the pre-flight (which imports this registry: hence here).
-        from mergeflow.export.plan import preflight as checks
+        from mergeflow.export.plan import (
+            input_checks as checks,  # imported here: they are not needed to plan
+        )
 
         rank_files = self.listed_files(directory)
         has_meta = (directory / LORA_META).is_file()
-        checks._check_lora_flags(config, has_meta)
+        checks.check_lora_flags(config, has_meta)
         if has_meta and not config.fuse_lora:
-            checks._preflight_maybe_adapter(config, directory)
+            checks.preflight_maybe_adapter(config, directory)
         else:
-            checks._preflight_with_base(config)
+            checks.preflight_with_base(config)
         return rank_files
 
     def describe(self, directory: Path, *, trust_checkpoint: bool = False) -> JsonObject:
@@ -142,11 +107,15 @@ class VerlSource(CheckpointSource):
         names = tuple(rank_file_names(directory, fsdp.world_size))
         # mmap: unpickling the key list costs no private memory; every rank's keys are compared later.
         # Through the shared cache, so load-rank-00000 reuses the parsed file.
+        from mergeflow.sources.verl_ranks import (
+            RankStates,  # torch: never on the pre-flight's path
+        )
+
         keys = tuple(RankStates(directory, names[:1], trust_checkpoint=trust_checkpoint).state(0))
         return OpenedCheckpoint(self, directory, names, fsdp.world_size, fsdp.version, keys, self.marker_files)
 
     def model_config_source(self, config: ModelMergerConfig, config_dir: Path, base: Path | None) -> ModelConfigSource:
-        # config_dir: --hf_model_config_path, else the checkpoint's huggingface/ (mergeflow.export.plan.preflight.resolve_inputs)
+        # config_dir: --hf_model_config_path, else the checkpoint's huggingface/ (mergeflow.export.plan.input_checks.resolve_inputs)
         return ModelConfigSource(config_dir / "config.json", VERL_CONFIG_PATH,
                                  "huggingface/config.json of the checkpoint", CheckpointError)
 
@@ -160,7 +129,7 @@ class VerlSource(CheckpointSource):
         return checkpoint.world_size
 
     def index_file(self, checkpoint: CheckpointInputs, unit: int, *, trust_checkpoint: bool = False) -> RankIndex:
-        from mergeflow.export.reconstruct.rank_index import index_rank_file
+        from mergeflow.sources.verl_ranks import index_rank_file
 
         return index_rank_file(Path(checkpoint.actor_dir), checkpoint.rank_files[unit], unit, trust_checkpoint=trust_checkpoint)
 
@@ -168,4 +137,6 @@ class VerlSource(CheckpointSource):
         return f"Indexed {indexed} rank files of world size {checkpoint.world_size}"
 
     def open_pieces(self, checkpoint: CheckpointInputs, *, trust_checkpoint: bool = False) -> RankStates:
+        from mergeflow.sources.verl_ranks import RankStates
+
         return RankStates(Path(checkpoint.actor_dir), checkpoint.rank_files, trust_checkpoint=trust_checkpoint)

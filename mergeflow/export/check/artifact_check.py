@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING
 
 from mergeflow.errors import ArtifactInvalidError
 from mergeflow.formats.manifest import MANIFEST_NAME, check_manifest
-from mergeflow.io.fs import FileStamp, sha256_file
+from mergeflow.io.fs import FileStamp
 from mergeflow.io.jsonfiles import (
     JsonObject,
     dumps_canonical,
     parse_json_strict,
 )
+from mergeflow.io.session import sha256_file
 from mergeflow.io.staging import artifact_root, is_staging_dir
 from mergeflow.lora.artifact import (
     ADAPTER_DIR,

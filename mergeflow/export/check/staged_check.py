@@ -11,7 +11,8 @@ from mergeflow.export.check.artifact_check import (
     validate_artifact_dir,
 )
 from mergeflow.formats.manifest import Manifest, TensorInfo
-from mergeflow.io.fs import FileStamp, sha256_file
+from mergeflow.io.fs import FileStamp
+from mergeflow.io.session import sha256_file
 from mergeflow.outputs.registry import output_of
 from mergeflow.records import MergePlan, ValidationReport, VerifiedFile
 

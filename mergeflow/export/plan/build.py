@@ -19,16 +19,14 @@ from mergeflow.architectures.schema import (
 )
 from mergeflow.config import ModelMergerConfig
 from mergeflow.errors import BaseModelError, MergeflowError
-from mergeflow.export.plan.preflight import (
-    check_output_format,
-    preflight_merge,
-    resolve_inputs,
-)
+from mergeflow.export.plan.input_checks import check_output_format, resolve_inputs
+from mergeflow.export.plan.preflight import preflight_merge
 from mergeflow.export.plan.targets import TargetSchema
 from mergeflow.formats.manifest import fingerprint
-from mergeflow.io.fs import FileStamp, sha256_file
+from mergeflow.io.fs import FileStamp
 from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.io.paths import lock_path_for, resolved_path_options, staging_dir_for
+from mergeflow.io.session import sha256_file
 from mergeflow.lora.detect import (
     adapter_target,
     detect_lora,

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from mergeflow.architectures.adapters import diffusers_schema  # noqa: F401  (lora/detect.py imports it from here)
 from mergeflow.formats.manifest import ArtifactType
-from mergeflow.io.fs import FileStamp, sha256_file
-from mergeflow.io.session import carry_session
+from mergeflow.io.fs import FileStamp
+from mergeflow.io.session import carry_session, sha256_file
 from mergeflow.records import Conversion
 
 

@@ -16,11 +16,11 @@ from pathlib import Path
 
 from mergeflow.errors import InputChangedError
 from mergeflow.io.config_paths import is_config_json, strip_local_paths
-from mergeflow.io.fs import FileStamp, is_plain_file, sha256_file
+from mergeflow.io.fs import FileStamp, is_plain_file
 from mergeflow.io.interrupt import raise_if_stopped
 from mergeflow.io.jsonfiles import write_bytes_durable
 from mergeflow.io.os_errors import name_written_file, typed_os_error
-from mergeflow.io.session import carry_session, current_session
+from mergeflow.io.session import carry_session, current_session, sha256_file
 from mergeflow.records import CopyResult, FileRecord, MergePlan
 
 

@@ -33,11 +33,11 @@ from mergeflow.formats.safetensors_format import (
     torch_dtype,
 )
 from mergeflow.io.config_paths import strip_local_paths
-from mergeflow.io.fs import FileStamp, sha256_file
+from mergeflow.io.fs import FileStamp
 from mergeflow.io.interrupt import raise_if_stopped
 from mergeflow.io.jsonfiles import write_bytes_durable, write_json_durable
 from mergeflow.io.os_errors import name_written_file, typed_os_error
-from mergeflow.io.session import current_session
+from mergeflow.io.session import current_session, sha256_file
 from mergeflow.io.staging import file_stamp
 from mergeflow.io.streamio import BackgroundFlush, HashingWriter
 from mergeflow.lora.fusion import transformed_tensor, verify_transformed

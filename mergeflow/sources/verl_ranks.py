@@ -1,17 +1,56 @@
-"""Indexing one rank file (safe loading, per-key metadata) and the sha256 the manifest records of it."""
+"""verl's rank files one by one: the parsed files an export shares (RankStates), indexing one rank file
+(safe loading, per-key metadata) and the sha256 the manifest records of it."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mergeflow.errors import CheckpointError, InputChangedError
 from mergeflow.formats.rank_files import describe_state
 from mergeflow.formats.zip_records import sha256_and_check_records
 from mergeflow.io.fs import FileStamp
 from mergeflow.io.session import current_session
+from mergeflow.io.stamped_cache import StampedCache
 from mergeflow.records import RankIndex
-from mergeflow.sources.verl import RankStates
+
+if TYPE_CHECKING:
+    import torch
+
+    from mergeflow.formats.rank_pickle import StateDict
+
+
+class RankStates:
+    """The rank files of one checkpoint, opened with mmap (no private memory) and shared by the export's tasks.
+
+    Kept in the export's session (mergeflow.io.session): a long-running process (`mergeflow serve`)
+    keeps no old checkpoint mapped once its export is over, so training can free their disk space.
+    """
+
+    def __init__(self, actor_dir: Path, rank_files: tuple[str, ...], *, trust_checkpoint: bool = False) -> None:
+        from mergeflow.io.session import current_session
+
+        self.paths = [actor_dir / name for name in rank_files]
+        self.trust = trust_checkpoint
+        self._cache: StampedCache[StateDict] = current_session().cache("verl-rank-states", capacity=64)
+
+    def state(self, rank: int) -> StateDict:
+        from mergeflow.formats.rank_files import (
+            load_rank_state,  # torch: not on the pre-flight's path
+        )
+
+        path = self.paths[rank]
+        return self._cache.get_or_load((str(path), FileStamp.of(path), self.trust),
+                                       lambda: load_rank_state(path, trust_checkpoint=self.trust))
+
+    def local(self, rank: int, key: str) -> torch.Tensor:
+        from mergeflow.formats.rank_files import local_tensor
+
+        try:
+            return local_tensor(self.state(rank)[key])
+        except KeyError:
+            raise CheckpointError(f"rank file {self.paths[rank].name} no longer holds {key}; was it rewritten?") from None
 
 
 def index_rank_file(actor_dir: Path, file_name: str, rank: int, *, trust_checkpoint: bool = False) -> RankIndex:
