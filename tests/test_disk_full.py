@@ -70,7 +70,14 @@ def test_enospc_while_building_a_pipeline_resumes(tmp_path: Path, prefect_api: A
     item = Exported(base, actor_dir, actor)
     want = tree_digest(Path(merge_model(item.config(tmp_path / "reference")).output_dir))
     target = tmp_path / "out"
-    with pytest.raises(DiskFullError, match="no space left") as info, FullAtWrite(1, within=stage):  # the stage's first file
+    within = stage
+    if stage == "model_index.json":
+        # Written from the bytes planning read (mergeflow.io.session): no read of it names the file, but its
+        # temporary file's name does (copy-<digest of its path>-<pid>.partial).
+        from mergeflow.export.write.copy_files import _temp_name
+
+        within = _temp_name(Path(), stage).name.rsplit("-", 1)[0]
+    with pytest.raises(DiskFullError, match="no space left") as info, FullAtWrite(1, within=within):  # the stage's first file
         merge_model(item.config(target))
     assert info.value.staging_dir and not target.exists() and not (tmp_path / ".out.mergeflow.lock").exists()
     assert stage in str(info.value)  # the file that did not fit is named

@@ -95,7 +95,10 @@ def test_escape_codes_in_a_class_name_never_reach_the_terminal(ex: Export) -> No
 
 @pytest.mark.parametrize("target", ["/proc/mergeflow-out", "/proc/self/out", "/sys/kernel/mergeflow-out"])
 def test_a_target_on_a_pseudo_filesystem_is_refused(ex: Export, target: str) -> None:
-    err = expect_refusal(ex, E.FileAccessError, "cannot create files in", stage="lock", target=target)
+    # A parent that refuses new files (/proc/<pid>) is refused by the pre-flight's first stage, before any lock;
+    # a writable-looking one (/proc, /sys/kernel) when the lock is created.
+    stage = "inspect" if target == "/proc/self/out" else "lock"
+    err = expect_refusal(ex, E.FileAccessError, "cannot create files in", stage=stage, target=target)
     assert "/proc or /sys" in str(err)
 
 

@@ -276,7 +276,8 @@ def _prepared(tmp_path: Path, ck: LoraCheckpoint, edit) -> Path:  # noqa: ANN001
 
 def test_lora_flags_and_metadata_without_lora_are_refused(tmp_path: Path, prefect_api: object) -> None:
     ex = make_export(tmp_path, FLUX, 2)
-    refuse(ex.config(tmp_path / "fuse", fuse_lora=True), UsageError, "--fuse-lora needs a LoRA checkpoint")
+    # The pre-flight's refusal, now the first stage of the flow's own planning too (one copy of each refusal).
+    refuse(ex.config(tmp_path / "fuse", fuse_lora=True), UsageError, "--fuse-lora is for LoRA checkpoints")
     # Every adapter flag, not only --fuse-lora: the flow refuses what the pre-flight refuses.
     refuse(ex.config(tmp_path / "name", adapter_name="mine"), UsageError, "--adapter-name is for LoRA checkpoints")
     refuse(ex.config(tmp_path / "format", adapter_format="diffusers"), UsageError, "--adapter-format is for LoRA checkpoints")

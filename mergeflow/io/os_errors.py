@@ -127,6 +127,9 @@ def check_target_parent(target: Path) -> None:
     parent = target.parent.resolve()
     # An existing target or a missing parent: check_target's own refusal says it better.
     reason = unwritable_dir_reason(parent) if parent.is_dir() and not (parent / target.name).exists() else None
+    if reason and parent.parts[:2] in (("/", "proc"), ("/", "sys")):
+        raise FileAccessError(f"cannot create files in {parent} ({reason}); choose a --target_dir in a writable "
+                              "directory of a regular filesystem (not /proc or /sys)")
     if reason == "read-only filesystem":
         raise FileAccessError(f"read-only filesystem: {parent} (the parent of --target_dir); "
                               "choose a target on a writable filesystem")
