@@ -16,10 +16,11 @@ from pathlib import Path
 from prefect import get_run_logger
 
 from mergeflow.errors import MergeflowError, one_line
+from mergeflow.flows.progress import route_write
 from mergeflow.io.fs import TargetLock
 from mergeflow.io.interrupt import request_stop
 from mergeflow.io.os_errors import typed_os_error
-from mergeflow.io.session import enter_session
+from mergeflow.io.session import current_session, enter_session
 from mergeflow.io.staging import (
     check_target,
     orphans_of,
@@ -83,8 +84,19 @@ def prepare_staging(plan: MergePlan) -> None:
 
 def enter_export_session() -> Callable[[], None]:
     """This export's state (digest prefetch, parsed checkpoint metadata, files read): the CLI's session when it
-    planned the pre-flight in this process, else a new one; returns what ends it. Nothing process-wide to clear."""
-    return enter_session()
+    planned the pre-flight in this process, else a new one; returns what ends it. Nothing process-wide to clear.
+
+    Its shard writes are routed to this run's progress for as long as the run lasts, ahead of any listener a
+    caller added to the session: that one hears of each tensor after the run has counted it."""
+    leave = enter_session()
+    session = current_session()
+    session.writes.add(route_write, first=True)
+
+    def end() -> None:
+        session.writes.remove(route_write)
+        leave()
+
+    return end
 
 
 def indexed_by_metadata(plan: MergePlan) -> bool:

@@ -2,8 +2,8 @@
 
 - The merge flow feeds `merge_progress()`, the `RunProgress` of its flow run: phase changes, the
   ranks loaded, the shards written. The bytes inside a shard come from the shard writers'
-  `WRITE_PROGRESS` reports, routed to the run whose task wrote them (several merges may run in one
-  process). The run's Prefect progress artifact follows the bytes written of the output's total.
+  reports to their export's session, routed by `route_write` to the run whose task wrote them
+  (several merges may run in one process). The run's Prefect progress artifact follows the bytes written of the output's total.
 - The command line shows it with `stderr_progress()`: a rich progress bar on a terminal, one plain
   line per phase otherwise (a pipe, a CI log), every line starting with `mergeflow: `.
 - `flow_run_links()` prints each flow run's UI link as the run starts: the first line a user sees.
@@ -35,7 +35,6 @@ from mergeflow.export.progress import (
     PUBLISHING,
     UPLOADING,
     VALIDATING,
-    WRITE_PROGRESS,
     WRITING,
     MergeProgress,
     Reuse,
@@ -150,7 +149,7 @@ def merge_progress() -> RunProgress:
     return current
 
 
-def _route_write(nbytes: int, ntensors: int) -> None:
+def route_write(nbytes: int, ntensors: int) -> None:
     """A shard writer's report, to the run whose write-shard task made it (called in the writer's thread)."""
     from prefect.context import TaskRunContext
 
@@ -162,9 +161,6 @@ def _route_write(nbytes: int, ntensors: int) -> None:
     if run is not None and isinstance(shard, int):
         run.wrote(shard, nbytes, context.task_run.run_count)
 
-
-# For the process's lifetime, ahead of any listener added later (outside a write-shard task it costs one lookup).
-WRITE_PROGRESS.add(_route_write)
 
 
 def _resumed(future: Any) -> bool:

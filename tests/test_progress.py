@@ -23,7 +23,6 @@ from mergeflow.export.progress import (
     MERGE_PROGRESS,
     PUBLISHING,
     VALIDATING,
-    WRITE_PROGRESS,
     WRITING,
     MergeProgress,
     RateWindow,
@@ -346,6 +345,7 @@ def test_the_progress_artifact_ends_at_the_bytes_written(tmp_path: Path, prefect
 
     from mergeflow import merge_model
     from mergeflow.errors import MergeflowError
+    from mergeflow.io.session import export_session
 
     ex = clone_export(pristine_flux_w2, tmp_path)
     writes: list[tuple[Any, int]] = []  # (flow run, bytes) of every tensor written
@@ -355,7 +355,8 @@ def test_the_progress_artifact_ends_at_the_bytes_written(tmp_path: Path, prefect
         assert context is not None
         writes.append((context.task_run.flow_run_id, nbytes))
 
-    with WRITE_PROGRESS.listening(record):
+    # One export session per merge (merge_model runs in the one set here): its shard writes reach `record`.
+    with export_session() as session, session.writes.listening(record):
         merge_model(ex.config(tmp_path / "ok"))
     run = writes[0][0]
     total = sum(n for _, n in writes)
@@ -369,7 +370,8 @@ def test_the_progress_artifact_ends_at_the_bytes_written(tmp_path: Path, prefect
         if len(writes) >= 3:
             raise OSError(errno.ENOSPC, "No space left on device")
 
-    with WRITE_PROGRESS.listening(disk_full_at_the_third_tensor), pytest.raises(MergeflowError, match="no space"):
+    with export_session() as session, session.writes.listening(disk_full_at_the_third_tensor), \
+            pytest.raises(MergeflowError, match="no space"):
         merge_model(ex.config(tmp_path / "full"))
     assert len({r for r, _ in writes}) == 1 and len(writes) == 3  # one shard, one writer, stopped at once
     stopped = _progress_of(writes[0][0])

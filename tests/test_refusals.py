@@ -14,8 +14,8 @@ import json
 import os
 import pickle
 import shutil
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -387,11 +387,13 @@ def test_cast_that_overflows(ex1: Export) -> None:
     expect_refusal(ex1, E.CastError, "overflows", dtype="float16", stage="write")
 
 
-def _touch_during_writes(victim: Path) -> AbstractContextManager[None]:
-    """Listen to the shard writes and change `victim`'s mtime at each: an input changed mid-export."""
-    from mergeflow.export.progress import WRITE_PROGRESS
+@contextmanager
+def _touch_during_writes(victim: Path) -> Iterator[None]:
+    """Listen to the export's shard writes and change `victim`'s mtime at each: an input changed mid-export."""
+    from mergeflow.io.session import export_session
 
-    return WRITE_PROGRESS.listening(lambda nbytes, ntensors: os.utime(victim, ns=(1, 1)))
+    with export_session() as session, session.writes.listening(lambda nbytes, ntensors: os.utime(victim, ns=(1, 1))):
+        yield  # the export run in this block is this session's (plain_export finds it set)
 
 
 def test_input_modified_during_export(ex: Export) -> None:

@@ -1,13 +1,10 @@
 """How far a merge is: its phases, the bytes written of the total, the recent rate and the time left.
 
-Two feeds, both process-wide and both without Prefect or a display:
-
-- `WRITE_PROGRESS`: the shard writers report every tensor they write (bytes, tensors). Shard
-  writers run as Prefect tasks in worker threads of the same process, so a listener cannot be
-  passed to them as an argument (task arguments are recorded and hashed); it subscribes here
-  instead, for the duration of a `with` block. With no subscriber, reporting costs one list check.
-- `MERGE_PROGRESS`: the merge flow's `MergeProgress` (phase changes, ranks loaded, bytes written of
-  the packed output's total) for whoever shows it: the command line's stderr display subscribes.
+The shard writers report every tensor they write to their export's session
+(`mergeflow.io.session.WriteListeners`); the flow routes those reports into this model.
+`MERGE_PROGRESS` is the feed of the merge flow's `MergeProgress` (phase changes, ranks loaded,
+bytes written of the packed output's total) for whoever shows it: the command line's stderr
+display subscribes. Neither needs Prefect or a display.
 
 `MergeProgress` is the model: which phase, how much of it is done, a rate over the last seconds
 and an ETA from that rate. It tells its observer about every change with an immutable `Snapshot`,
@@ -23,42 +20,6 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
-
-Listener = Callable[[int, int], None]  # (bytes written, tensors written) since the last call
-
-
-class WriteProgress:
-    """The listeners of one process's shard writes."""
-
-    def __init__(self) -> None:
-        self._listeners: tuple[Listener, ...] = ()
-        self._lock = threading.Lock()
-
-    @contextmanager
-    def listening(self, listener: Listener) -> Iterator[None]:
-        """Call `listener` after every tensor written while the block runs."""
-        self.add(listener)
-        try:
-            yield
-        finally:
-            self.remove(listener)
-
-    def add(self, listener: Listener) -> None:
-        """Call `listener` after every tensor written from now on (a subscriber for the process's lifetime)."""
-        with self._lock:
-            self._listeners = (*self._listeners, listener)
-
-    def remove(self, listener: Listener) -> None:
-        with self._lock:
-            self._listeners = tuple(x for x in self._listeners if x is not listener)
-
-    def report(self, nbytes: int, ntensors: int) -> None:
-        for listener in self._listeners:  # a tuple swapped whole: safe to read without the lock
-            listener(nbytes, ntensors)
-
-
-WRITE_PROGRESS = WriteProgress()
-
 
 # --- phases, rate, ETA ---------------------------------------------------------------------------
 

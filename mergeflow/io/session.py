@@ -10,8 +10,8 @@ Nothing process-wide is cleared at the end: when the export is over its session 
 
 It holds the background digests of the checkpoint's files, the texts of the small metadata files
 already read (so the pre-flight, the plan and the checks read each one once), the plan's first
-stage when the command line ran it before Prefect started, and the checkpoint's parsed rank files
-or `.metadata` that the tasks share.
+stage when the command line ran it before Prefect started, the checkpoint's parsed rank files
+or `.metadata` that the tasks share, and who listens to its shard writes (the flow's progress).
 """
 
 from __future__ import annotations
@@ -32,12 +32,50 @@ from mergeflow.io.stamped_cache import StampedCache
 
 T = TypeVar("T")
 
+WriteListener = Callable[[int, int], None]  # (bytes written, tensors written) since the last call
+
+
+class WriteListeners:
+    """Who hears of an export's shard writes, tensor by tensor.
+
+    The shard writers run as Prefect tasks in worker threads, so a listener cannot be passed to
+    them as an argument (task arguments are recorded and hashed); it subscribes to the export's
+    session instead. With no subscriber, reporting costs one tuple check.
+    """
+
+    def __init__(self) -> None:
+        self._listeners: tuple[WriteListener, ...] = ()
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def listening(self, listener: WriteListener) -> Iterator[None]:
+        """Call `listener` after every tensor written while the block runs."""
+        self.add(listener)
+        try:
+            yield
+        finally:
+            self.remove(listener)
+
+    def add(self, listener: WriteListener, *, first: bool = False) -> None:
+        """Call `listener` after every tensor written from now on; `first`: ahead of those already listening."""
+        with self._lock:
+            self._listeners = (listener, *self._listeners) if first else (*self._listeners, listener)
+
+    def remove(self, listener: WriteListener) -> None:
+        with self._lock:
+            self._listeners = tuple(x for x in self._listeners if x is not listener)
+
+    def report(self, nbytes: int, ntensors: int) -> None:
+        for listener in self._listeners:  # a tuple swapped whole: safe to read without the lock
+            listener(nbytes, ntensors)
+
 
 @dataclass(eq=False)
 class ExportSession:
-    """The state of one export: digests, metadata texts read, the first planning stage."""
+    """The state of one export: digests, metadata texts read, the first planning stage, its write listeners."""
 
     digests: DigestPrefetch = field(default_factory=DigestPrefetch)
+    writes: WriteListeners = field(default_factory=WriteListeners)
     _files: dict[str, tuple[FileStamp, bytes]] = field(default_factory=dict)
     _memo: dict[tuple[str, str], Any] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)

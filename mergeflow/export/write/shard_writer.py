@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 
 from mergeflow.errors import CheckpointError
-from mergeflow.export.progress import WRITE_PROGRESS
 from mergeflow.export.reconstruct.rebuild import (
     PieceSource,
     global_pieces,
@@ -37,7 +36,7 @@ from mergeflow.io.fs import FileStamp
 from mergeflow.io.interrupt import raise_if_stopped
 from mergeflow.io.jsonfiles import write_bytes_durable, write_json_durable
 from mergeflow.io.os_errors import name_written_file, typed_os_error
-from mergeflow.io.session import current_session, sha256_file
+from mergeflow.io.session import active_session, current_session, sha256_file
 from mergeflow.io.staging import file_stamp
 from mergeflow.io.streamio import BackgroundFlush, HashingWriter
 from mergeflow.lora.fusion import transformed_tensor, verify_transformed
@@ -153,6 +152,7 @@ def _stream_shard(fd: int, header: bytes, entries: dict[str, HeaderEntry], order
 
     Each streamed tensor is handed to `follow` once written, to be read back and compared.
     """
+    session = active_session()  # its listeners hear of each tensor written (the flow's progress)
     writer = HashingWriter(fd, flush=flush)
     try:
         writer.write(memoryview(header))
@@ -180,7 +180,8 @@ def _stream_shard(fd: int, header: bytes, entries: dict[str, HeaderEntry], order
                 follow.submit(tw)
             elif cast_pieces:
                 follow.submit(tw, list(pieces))
-            WRITE_PROGRESS.report(written, 1)
+            if session is not None:
+                session.writes.report(written, 1)
         return writer.hexdigest()
     finally:
         writer.close()
