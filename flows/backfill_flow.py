@@ -99,7 +99,6 @@ def backfill_flow(
         if confinement is not None:  # again as each step starts: a step folder may have appeared since
             confinement.checkpoint(str(config.local_dir))
             confinement.target(str(config.target_dir))
-        config.validate()
         return merge_flow.with_options(task_runner=runner)(config=config)
 
     return summary(backfill(settings, merge, report=lambda r: logger.info("%s", r.line())))

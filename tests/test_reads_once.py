@@ -1,5 +1,6 @@
 """Plan once: during a real merge through the command line (pre-flight, then the flow), each metadata file
-of the checkpoint and of the base is opened exactly once, counted by Python's audit hook ("open" events).
+of the checkpoint and of the base is opened exactly once, counted by Python's audit hook ("open" events),
+and each planning check runs once, counted by a profile hook.
 
 What "read once" means for the other files: a checkpoint's data files (rank files, `.distcp`) are opened
 by the hash pass and by the readers of their tensors, and a base's safetensors by the schema step, the
@@ -111,3 +112,38 @@ def test_a_lora_adapter_export_opens_each_metadata_file_once(tmp_path: Path, pre
                        "--target_dir", str(tmp_path / "out"), "--output-format", "transformer"], [ck.actor_dir, ck.base_dir], opens)
     assert {Path(p).name for p in metadata} >= {"config.json", "fsdp_config.json", "lora_train_meta.json"}
     _assert_once(metadata)
+
+
+def test_a_merge_runs_each_planning_check_once(tmp_path: Path, prefect_api: object) -> None:
+    """Counted by code object in every thread of a real CLI merge: the option check, the base's layout and the
+    path checks run once; the target check runs once more under the target lock (another export may have
+    published the target since planning: that is the race the lock settles, not a second plan)."""
+    import threading
+    from types import FrameType
+
+    from mergeflow.architectures.registry import detect_base
+    from mergeflow.config import ModelMergerConfig
+    from mergeflow.deployments.cli import main
+    from mergeflow.export.plan.input_checks import _resolve_inputs
+    from mergeflow.export.plan.preflight import _stage_one
+    from mergeflow.io.staging import check_target
+
+    watched = {f.__code__: f.__qualname__ for f in (ModelMergerConfig.validate, detect_base, _resolve_inputs, _stage_one,
+                                                     check_target)}
+    calls: collections.Counter[str] = collections.Counter()
+
+    def profile(frame: FrameType, event: str, arg: object) -> None:
+        if event == "call" and frame.f_code in watched:
+            calls[watched[frame.f_code]] += 1
+
+    ex = make_export(tmp_path / "x", world_size=2)
+    threading.setprofile(profile)  # the task threads Prefect starts from now on
+    sys.setprofile(profile)
+    try:
+        assert main(["merge", "--backend", "fsdp", "--local_dir", str(ex.actor_dir), "--base_model", str(ex.base_dir),
+                     "--target_dir", str(tmp_path / "out"), "--output-format", "transformer"]) == 0
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)  # type: ignore[arg-type]
+    assert dict(calls) == {"ModelMergerConfig.validate": 1, "detect_base": 1, "_resolve_inputs": 1, "_stage_one": 1,
+                           "check_target": 2}, dict(calls)
