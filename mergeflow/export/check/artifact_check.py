@@ -15,7 +15,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
 from mergeflow.errors import ArtifactInvalidError
-from mergeflow.formats.manifest import MANIFEST_NAME, check_manifest
+from mergeflow.formats.manifest import MANIFEST_NAME, ManifestDocument, check_manifest
 from mergeflow.io.fs import FileStamp
 from mergeflow.io.jsonfiles import (
     JsonObject,
@@ -48,7 +48,7 @@ class ArtifactSummary:
     artifact_type: str
     files: int
     tensors: int
-    manifest: JsonObject
+    manifest: ManifestDocument
 
 
 def _tree_sizes(root: Path, folders: set[str] | None = None) -> dict[str, int]:
