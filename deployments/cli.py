@@ -9,6 +9,7 @@ parser imports Prefect: `mergeflow --help` stays instant.
 from __future__ import annotations
 
 import argparse
+from typing import TypedDict
 
 from mergeflow.config import (
     DEFAULT_DTYPE,
@@ -20,7 +21,6 @@ from mergeflow.config import (
 )
 from mergeflow.flows import cli
 from mergeflow.flows.ops_cli import add_task_runner_flags
-from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.ops.serve_settings import ServeSettings
 
 
@@ -49,7 +49,14 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     serve.add_argument("--debug", action="store_true", help="show tracebacks and Prefect's console logs")
 
 
-def cmd_serve(args: argparse.Namespace) -> JsonObject:
+class ServeResult(TypedDict):
+    """`mergeflow serve`'s JSON line once it stops: the deployments it served."""
+
+    served: list[str]
+    stopped: bool
+
+
+def cmd_serve(args: argparse.Namespace) -> ServeResult:
     from mergeflow.flows.events import use_prefect_api
 
     settings = ServeSettings(

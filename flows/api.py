@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from mergeflow.config import DEFAULT_TASK_RUNNER, MergeResult, ModelMergerConfig
+from mergeflow.export.check.artifact_check import IntegrityResult
 from mergeflow.export.plan.preflight import preflight_merge
 from mergeflow.flows.merge import merge_flow
 from mergeflow.flows.runners import make_task_runner
 from mergeflow.flows.validate import validate_flow
-from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.io.session import export_session
 
 
@@ -25,6 +25,6 @@ def merge_model(config: ModelMergerConfig, *, task_runner: str = DEFAULT_TASK_RU
     return MergeResult(output_dir=result["output_dir"], manifest_path=result["manifest_path"], upload=result.get("upload"))
 
 
-def validate_artifact(path: str | Path) -> JsonObject:
+def validate_artifact(path: str | Path) -> IntegrityResult:
     """Run the validate flow on a published (or staged) artifact; raises ArtifactInvalidError on any defect."""
     return validate_flow(test_hf_dir=str(path))

@@ -28,8 +28,7 @@ from mergeflow.flows.merge import merge_flow
 from mergeflow.flows.run_names import slug
 from mergeflow.flows.runners import make_task_runner
 from mergeflow.io.confinement import Confinement
-from mergeflow.io.jsonfiles import JsonObject
-from mergeflow.ops.backfill import BackfillSettings, backfill, summary
+from mergeflow.ops.backfill import BackfillSettings, BackfillSummary, backfill, summary
 from mergeflow.ops.watch import find_checkpoints
 
 
@@ -67,7 +66,7 @@ def backfill_flow(
     task_runner: TaskRunner = DEFAULT_TASK_RUNNER,
     dask_address: str | None = None,
     checkpoint_roots: list[str] | None = None,
-) -> JsonObject:
+) -> BackfillSummary:
     """Export every complete, unpublished global_step_N of a training run, oldest first.
 
     Args:

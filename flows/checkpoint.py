@@ -25,6 +25,7 @@ from mergeflow.config import (
     Dtype,
     ModelMergerConfig,
     OutputFormat,
+    PublishedMerge,
     TaskRunner,
 )
 from mergeflow.errors import UsageError
@@ -158,7 +159,7 @@ def merge_checkpoint_flow(
     dask_address: str | None = None,
     checkpoint_roots: list[str] | None = None,
     allowed_base_models: list[str] | None = None,
-) -> JsonObject:
+) -> PublishedMerge:
     """Export the checkpoint an event names (payload keys override these defaults).
 
     The event may only name checkpoints under `checkpoint_roots`, targets under `target_root`

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -22,6 +22,8 @@ from mergeflow.config import (
     OUTPUT_FORMATS,
     QKV_LAYOUTS,
     ModelMergerConfig,
+    PublishedMerge,
+    UploadSummary,
 )
 from mergeflow.errors import MergeflowError, one_line
 from mergeflow.flows.interrupts import api_answers
@@ -32,9 +34,8 @@ from mergeflow.flows.ops_cli import (
     add_task_runner_flags,
     backfill_settings,
 )
-from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.io.os_errors import typed_os_error
-from mergeflow.ops.backfill import StepResult
+from mergeflow.ops.backfill import BackfillSummary, StepResult
 from mergeflow.ops.signals import (
     end_soon,
     exit_status_of,
@@ -43,8 +44,12 @@ from mergeflow.ops.signals import (
     interrupts_stop_the_export,
 )
 
-if TYPE_CHECKING:  # the progress module imports Prefect: only for the annotation
+if TYPE_CHECKING:  # imported where each command runs (the progress module imports Prefect): here for the annotations only
+    from mergeflow.export.check.artifact_check import IntegrityResult
+    from mergeflow.flows.demo import DemoResult
     from mergeflow.flows.progress import FlowRunLinks
+    from mergeflow.ops.local_server import ServerStatus, ServerStopped
+    from mergeflow.sources.base import CheckpointDescription
 
 
 class _Parser(argparse.ArgumentParser):
@@ -119,7 +124,8 @@ def _positive_int(text: str) -> int:
     return value
 
 
-Command = Callable[[argparse.Namespace], JsonObject]
+# A command: its arguments in, out the JSON object it prints as its last line (each command's own TypedDict).
+Command = Callable[[argparse.Namespace], Mapping[str, object]]
 
 
 @dataclass(frozen=True)
@@ -250,7 +256,7 @@ def _running_flows(announce: str | None = None) -> Iterator[FlowRunLinks]:
         yield links
 
 
-def cmd_merge(args: argparse.Namespace) -> JsonObject:
+def cmd_merge(args: argparse.Namespace) -> PublishedMerge:
     from mergeflow.export.plan.preflight import preflight_merge
     from mergeflow.io.session import export_session
 
@@ -265,13 +271,13 @@ def cmd_merge(args: argparse.Namespace) -> JsonObject:
 
             with stderr_progress():
                 result = merge_model(config, task_runner=args.task_runner, dask_address=args.dask_address)
-    out: JsonObject = {"output_dir": result.output_dir, "manifest_path": result.manifest_path}
+    out: PublishedMerge = {"output_dir": result.output_dir, "manifest_path": result.manifest_path}
     if result.upload is not None:
         out["upload"] = result.upload
     return out
 
 
-def cmd_backfill(args: argparse.Namespace) -> JsonObject:
+def cmd_backfill(args: argparse.Namespace) -> BackfillSummary:
     from mergeflow.ops.backfill import backfill, summary
 
     def report(step: StepResult) -> None:
@@ -283,7 +289,7 @@ def cmd_backfill(args: argparse.Namespace) -> JsonObject:
         return summary(backfill(backfill_settings(args), merge_model, report))
 
 
-def cmd_test(args: argparse.Namespace) -> JsonObject:
+def cmd_test(args: argparse.Namespace) -> IntegrityResult:
     # In-process, without Prefect or torch: starting Prefect (let alone a temporary server) would
     # cost many times the checks. The validate flow (UI reruns, the API) runs this same function.
     from mergeflow.export.check.artifact_check import check_artifact
@@ -291,7 +297,7 @@ def cmd_test(args: argparse.Namespace) -> JsonObject:
     return check_artifact(args.test_hf_dir)
 
 
-def cmd_inspect(args: argparse.Namespace) -> JsonObject:
+def cmd_inspect(args: argparse.Namespace) -> CheckpointDescription:
     from pathlib import Path
 
     from mergeflow.export.describe import describe_checkpoint
@@ -299,28 +305,28 @@ def cmd_inspect(args: argparse.Namespace) -> JsonObject:
     return describe_checkpoint(Path(args.local_dir), trust_checkpoint=args.trust_checkpoint)
 
 
-def cmd_upload(args: argparse.Namespace) -> JsonObject:
+def cmd_upload(args: argparse.Namespace) -> UploadSummary:
     with _running_flows():
         from mergeflow.flows.upload import upload_flow
 
         return upload_flow(test_hf_dir=args.test_hf_dir, hf_upload_path=args.hf_upload_path, private=args.private)
 
 
-def cmd_verify_upload(args: argparse.Namespace) -> JsonObject:
+def cmd_verify_upload(args: argparse.Namespace) -> UploadSummary:
     with _running_flows():
         from mergeflow.flows.upload import verify_upload_flow
 
         return verify_upload_flow(test_hf_dir=args.test_hf_dir, hf_upload_path=args.hf_upload_path, revision=args.revision)
 
 
-def cmd_demo(args: argparse.Namespace) -> JsonObject:
+def cmd_demo(args: argparse.Namespace) -> DemoResult:
     with _running_flows() as links:
         from mergeflow.flows.demo import run_demo
 
         return run_demo(args.workdir, links=links.urls)
 
 
-def cmd_server(args: argparse.Namespace) -> JsonObject:
+def cmd_server(args: argparse.Namespace) -> ServerStatus | ServerStopped:
     from mergeflow.ops import local_server
 
     if args.action == "start":  # explicit: started even where commands would use another API

@@ -7,10 +7,10 @@ import shlex
 import shutil
 import sys
 from pathlib import Path
+from typing import TypedDict
 
 from mergeflow.config import ModelMergerConfig
 from mergeflow.flows.api import merge_model, validate_artifact
-from mergeflow.io.jsonfiles import JsonObject
 
 DEMO_CLASS = "QwenImageTransformer2DModel"  # its tiny pipeline needs no sentencepiece and no download
 
@@ -22,7 +22,17 @@ def default_workdir() -> Path:
     return Path(cache) / "demo"
 
 
-def run_demo(workdir: str | None = None, *, world_size: int = 4, links: list[str] | None = None) -> JsonObject:
+class DemoResult(TypedDict):
+    """`mergeflow demo`'s JSON line: where it worked, what it published, and the validation's verdict."""
+
+    demo_dir: str
+    output_dir: str
+    manifest_path: str
+    integrity: str
+    architecture: str
+
+
+def run_demo(workdir: str | None = None, *, world_size: int = 4, links: list[str] | None = None) -> DemoResult:
     """Build (once) a W=4 FSDP2 checkpoint and its base pipeline, export it as a pipeline, validate it.
 
     Everything stays in `workdir` (printed), so the commands printed at the end run as printed;

@@ -16,7 +16,7 @@ from prefect.futures import PrefectFuture
 from prefect.runtime import flow_run
 from prefect.utilities.annotations import opaque
 
-from mergeflow.config import ModelMergerConfig
+from mergeflow.config import ModelMergerConfig, PublishedMerge, UploadOutcome
 from mergeflow.errors import UploadError
 from mergeflow.flows.artifacts import (
     publish_manifest_artifacts,
@@ -43,7 +43,6 @@ from mergeflow.flows.progress import (
     merge_progress,
 )
 from mergeflow.flows.run_names import export_label
-from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.records import Manifest, MergePlan, ShardRecord, TensorLayout
 from mergeflow.tasks.copy_components import copy_components
 from mergeflow.tasks.inspect_inputs import inspect_inputs
@@ -162,7 +161,7 @@ def run_export(plan: MergePlan, allow_unchanged: bool = False) -> tuple[dict[str
 
 @flow(name="mergeflow-merge", flow_run_name=merge_run_name, persist_result=True, validate_parameters=True,
       on_crashed=[name_the_kept_staging])
-def merge_flow(config: ModelMergerConfig) -> JsonObject:  # its result is the CLI's final JSON line
+def merge_flow(config: ModelMergerConfig) -> PublishedMerge:  # its result is the CLI's final JSON line
     """Export an FSDP checkpoint as a verified, atomically published artifact."""
     started = time.monotonic()
     logger = get_run_logger()
@@ -188,7 +187,7 @@ def merge_flow(config: ModelMergerConfig) -> JsonObject:  # its result is the CL
     return result
 
 
-def upload_published(output_dir: str, repo_id: str, private: bool) -> JsonObject:
+def upload_published(output_dir: str, repo_id: str, private: bool) -> UploadOutcome:
     """Upload after local publication; a failure is reported, never undoes the local artifact."""
     try:
         return {"status": "uploaded", **upload_to_hub(output_dir, repo_id, private)}

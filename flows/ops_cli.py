@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypedDict
 
 from mergeflow.config import (
     DEFAULT_DTYPE,
@@ -18,7 +19,6 @@ from mergeflow.config import (
     TASK_RUNNERS,
 )
 from mergeflow.errors import ConcurrentExportError
-from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.ops.backfill import BackfillSettings
 
 
@@ -95,7 +95,24 @@ def _stop_on_signals() -> Iterator[threading.Event]:
             signal.signal(sig, old)
 
 
-def cmd_watch(args: argparse.Namespace) -> JsonObject:
+class EmittedCheckpoint(TypedDict):
+    step: int
+    local_dir: str
+
+
+class WatchResult(TypedDict):
+    """`mergeflow watch`'s JSON line when it stops: the checkpoints it announced."""
+
+    emitted: list[EmittedCheckpoint]
+
+
+class StagingList(TypedDict):
+    """`mergeflow staging list`: each kept staging directory (StagingInfo.to_dict)."""
+
+    staging: list[dict[str, object]]
+
+
+def cmd_watch(args: argparse.Namespace) -> WatchResult:
     from mergeflow.flows.events import use_prefect_api
     from mergeflow.flows.watch import watch
     from mergeflow.ops.watch import training_dir
@@ -115,7 +132,7 @@ def cmd_watch(args: argparse.Namespace) -> JsonObject:
     return {"emitted": [{"step": c.step, "local_dir": str(c.actor_dir)} for c in emitted]}
 
 
-def cmd_staging(args: argparse.Namespace) -> JsonObject:
+def cmd_staging(args: argparse.Namespace) -> StagingList | dict[str, list[str]]:
     from mergeflow.io.staging import clean_staging, list_staging
 
     root = Path(args.dir)
@@ -130,7 +147,7 @@ def cmd_staging(args: argparse.Namespace) -> JsonObject:
     return result
 
 
-OPS_COMMANDS: dict[str, Callable[[argparse.Namespace], JsonObject]] = {
+OPS_COMMANDS: dict[str, Callable[[argparse.Namespace], Mapping[str, object]]] = {
     "watch": cmd_watch,
     "staging": cmd_staging,
 }

@@ -6,13 +6,13 @@ from pathlib import Path
 
 from prefect import flow
 
-from mergeflow.io.jsonfiles import JsonObject
+from mergeflow.config import UploadSummary
 from mergeflow.tasks.upload import upload_to_hub, verify_hub_upload
 from mergeflow.tasks.validate import validate_artifact_task
 
 
 @flow(name="mergeflow-upload", flow_run_name="upload-{hf_upload_path}")
-def upload_flow(test_hf_dir: str, hf_upload_path: str, private: bool = False) -> JsonObject:
+def upload_flow(test_hf_dir: str, hf_upload_path: str, private: bool = False) -> UploadSummary:
     """Validate the local artifact, then upload and verify it on the Hub."""
     path = str(Path(test_hf_dir).expanduser().resolve())
     validate_artifact_task(path)
@@ -20,6 +20,6 @@ def upload_flow(test_hf_dir: str, hf_upload_path: str, private: bool = False) ->
 
 
 @flow(name="mergeflow-verify-upload", flow_run_name="verify-upload-{hf_upload_path}")
-def verify_upload_flow(test_hf_dir: str, hf_upload_path: str, revision: str | None = None) -> JsonObject:
+def verify_upload_flow(test_hf_dir: str, hf_upload_path: str, revision: str | None = None) -> UploadSummary:
     """Compare a Hub repo with a local artifact's manifest, file by file."""
     return verify_hub_upload(str(Path(test_hf_dir).expanduser().resolve()), hf_upload_path, revision)

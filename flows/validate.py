@@ -5,10 +5,9 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
-from mergeflow.export.check.artifact_check import artifact_to_check
+from mergeflow.export.check.artifact_check import IntegrityResult, artifact_to_check
 from mergeflow.flows.run_names import validate_label
 from mergeflow.io.confinement import confine_read
-from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.tasks.validate import validate_artifact_task
 
 
@@ -18,7 +17,7 @@ def validate_run_name() -> str:
 
 
 @flow(name="mergeflow-validate", flow_run_name=validate_run_name)
-def validate_flow(test_hf_dir: str, within: str | None = None) -> JsonObject:
+def validate_flow(test_hf_dir: str, within: str | None = None) -> IntegrityResult:
     """Validate an artifact (or a failed merge's staging dir) without its source: manifest, tree, hashes, weights.
 
     Args:

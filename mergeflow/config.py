@@ -6,10 +6,9 @@ import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal, NotRequired, TypedDict, get_args
 
 from mergeflow.errors import UsageError
-from mergeflow.io.jsonfiles import JsonObject
 
 # The choices and defaults of every entry point (CLI flags, served deployments, the checkpoint
 # flow's parameters): defined once here, read everywhere else.
@@ -141,8 +140,40 @@ class ModelMergerConfig:
         if self.hf_upload_path is not None and self.hf_upload_path.count("/") != 1:
             raise UsageError(f"--hf_upload_path must look like ORG/REPO, not {self.hf_upload_path!r}")
 
-    def to_dict(self) -> JsonObject:
+    def to_dict(self) -> dict[str, str | int | bool | None]:
         return dataclasses.asdict(self)
+
+
+class UploadSummary(TypedDict):
+    """What an upload verified on the Hub (mergeflow.hub.upload.UploadRecord); `upload` and `verify-upload` print it."""
+
+    repo_id: str
+    commit_sha: str
+    url: str
+    files_verified: int
+    bytes_verified: int
+    private: bool
+
+
+class UploadOutcome(TypedDict, total=False):
+    """A merge's `upload`: "uploaded" and the UploadSummary's fields, or "failed" with the repo and the error."""
+
+    status: Literal["uploaded", "failed"]
+    repo_id: str
+    commit_sha: str
+    url: str
+    files_verified: int
+    bytes_verified: int
+    private: bool
+    error: str
+
+
+class PublishedMerge(TypedDict):
+    """The merge flow's result, and `mergeflow merge`'s JSON line (MergeResult is the Python API's record of it)."""
+
+    output_dir: str
+    manifest_path: str
+    upload: NotRequired[UploadOutcome]
 
 
 @dataclass(frozen=True)
@@ -151,4 +182,4 @@ class MergeResult:
 
     output_dir: str
     manifest_path: str
-    upload: JsonObject | None = None
+    upload: UploadOutcome | None = None

@@ -7,10 +7,10 @@ from pathlib import Path
 from prefect import task
 from prefect.artifacts import create_link_artifact
 
-from mergeflow.io.jsonfiles import JsonObject
+from mergeflow.config import UploadSummary
 
 
-def _link(record: JsonObject) -> None:
+def _link(record: UploadSummary) -> None:
     key = "hub-" + "".join(c if c.isalnum() else "-" for c in record["repo_id"].lower()).strip("-")
     create_link_artifact(link=record["url"], link_text=f"{record['repo_id']} @ {record['commit_sha'][:10]}", key=key[:100],
                          description="The uploaded, verified artifact on the Hugging Face Hub")
@@ -21,7 +21,7 @@ def _link(record: JsonObject) -> None:
 # mergeflow.hub.retry.call_with_retries (transient errors only, Retry-After honoured), the one
 # retry policy for uploads; a second loop around it multiplied the attempts (5 inside each of 3).
 @task(name="upload-to-hub", task_run_name="upload-{repo_id}")
-def upload_to_hub(artifact_dir: str, repo_id: str, private: bool = False) -> JsonObject:
+def upload_to_hub(artifact_dir: str, repo_id: str, private: bool = False) -> UploadSummary:
     """Upload the published artifact as one commit and verify every file on the Hub."""
     from mergeflow.hub.upload import upload_artifact
 
@@ -31,7 +31,7 @@ def upload_to_hub(artifact_dir: str, repo_id: str, private: bool = False) -> Jso
 
 
 @task(name="verify-upload", task_run_name="verify-upload-{repo_id}")
-def verify_hub_upload(artifact_dir: str, repo_id: str, revision: str | None = None) -> JsonObject:
+def verify_hub_upload(artifact_dir: str, repo_id: str, revision: str | None = None) -> UploadSummary:
     """Check that the Hub repo holds exactly the artifact's files (sizes and sha256)."""
     from mergeflow.hub.upload import verify_upload
 

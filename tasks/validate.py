@@ -12,11 +12,10 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from mergeflow.export.check.artifact_check import validate_artifact_dir
+from mergeflow.export.check.artifact_check import ArtifactCounts, validate_artifact_dir
 from mergeflow.export.check.staged_check import validate_staged
 from mergeflow.export.check.unchanged import guard_unchanged
 from mergeflow.formats.manifest import Manifest, UnchangedMeasurement
-from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.records import MergePlan, ShardRecord, ValidationReport, VerifiedFile
 
 
@@ -35,7 +34,7 @@ def validate_staged_task(plan: MergePlan, manifest: Manifest,
 
 
 @task(name="validate-artifact", task_run_name="validate-artifact")  # the flow run names the artifact: no machine path here
-def validate_artifact_task(path: str) -> JsonObject:
+def validate_artifact_task(path: str) -> ArtifactCounts:
     """Validate a published (or staged) artifact without its source checkpoint."""
     summary = validate_artifact_dir(Path(path))
     return {"architecture": summary.architecture, "artifact_type": summary.artifact_type,

@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from mergeflow.errors import ArtifactInvalidError
-from mergeflow.formats.manifest import TensorInfo
-from mergeflow.io.jsonfiles import JsonObject
+from mergeflow.formats.manifest import ManifestDocument, TensorInfo
 from mergeflow.outputs.base import SINGLE_SAFETENSORS, Shape, WeightsWriter
 from mergeflow.outputs.checks import check_manifest_tensors
 from mergeflow.outputs.diffusers_transformer import DiffusersTransformer
@@ -36,7 +35,7 @@ class ToyOutput(DiffusersTransformer):
     def map_tensor(self, name: str, shape: Shape) -> tuple[str, Shape]:
         return TOY_PREFIX + name, shape
 
-    def check_weights(self, root: Path, manifest: JsonObject) -> int:
+    def check_weights(self, root: Path, manifest: ManifestDocument) -> int:
         count = check_manifest_tensors(root, manifest, (TOY_WEIGHTS,))  # the generic checks, on the toy's file name
         odd = sorted(key for key in manifest["tensors"] if not key.startswith(TOY_PREFIX))
         if odd:

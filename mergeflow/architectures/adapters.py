@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from mergeflow.errors import BaseModelError, CheckpointError, SchemaMismatchError
-from mergeflow.io.jsonfiles import JsonObject
 
 if TYPE_CHECKING:
     import torch
@@ -24,6 +23,7 @@ if TYPE_CHECKING:
     from mergeflow.records import ArchitectureOp, TensorWrite
 
 Headers = Mapping[str, tuple[str, tuple[int, ...]]]  # tensor -> (dtype, shape) from safetensors headers
+AdapterParams = dict[str, str | int | float | bool]  # a conversion's parameters, recorded in the manifest
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class TrainedSchema:
     keep_fp32: tuple[str, ...]
     transformer_class: str
     adapter: str | None = None  # set when the writes are converted (the manifest records it)
-    adapter_params: JsonObject = field(default_factory=dict)
+    adapter_params: AdapterParams = field(default_factory=dict)
     output_shapes: dict[str, tuple[int, ...]] | None = None  # the artifact's exact tensor set, when not the checkpoint's
 
 

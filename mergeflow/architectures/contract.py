@@ -27,10 +27,11 @@ from mergeflow.architectures.registry import (
     weights_name_for,
 )
 from mergeflow.errors import ArtifactInvalidError, BaseModelError, UsageError
-from mergeflow.formats.manifest import MANIFEST_NAME
+from mergeflow.formats.manifest import MANIFEST_NAME, ManifestDocument
+from mergeflow.formats.model_config import ModelConfig, PipelineIndex
 from mergeflow.formats.weight_index import read_weights
 from mergeflow.io.config_paths import is_config_json, strip_local_paths
-from mergeflow.io.jsonfiles import JsonObject, read_json_strict
+from mergeflow.io.jsonfiles import read_json_strict
 from mergeflow.io.paths import check_relative_name
 from mergeflow.io.session import current_session
 
@@ -85,14 +86,14 @@ def walk_base(base_dir: Path) -> tuple[list[str], dict[str, str]]:
     return sorted(files), excluded
 
 
-def _config(path: Path, rel: str) -> JsonObject:
+def _config(path: Path, rel: str) -> ModelConfig:
     data = read_json_strict(path, BaseModelError, f"{rel} of the base")
     if not isinstance(data, dict):
         raise BaseModelError(f"{rel} of the base must be a JSON object")
     return data
 
 
-def _refuse_remote_or_quantized(data: JsonObject, rel: str) -> None:
+def _refuse_remote_or_quantized(data: ModelConfig, rel: str) -> None:
     if "auto_map" in data:
         raise BaseModelError(f"{rel} of the base has an auto_map (Hub remote code); such components are not supported")
     if "quantization_config" in data:
@@ -138,7 +139,7 @@ def _check_component(base_dir: Path, name: str, library: str, class_name: str, s
             _refuse_remote_or_quantized(_config(folder / config_name, f"{name}/{config_name}"), f"{name}/{config_name}")
 
 
-def _check_options(arch: Architecture, index: JsonObject, components: dict[str, tuple[str, str]]) -> None:
+def _check_options(arch: Architecture, index: PipelineIndex, components: dict[str, tuple[str, str]]) -> None:
     """Primitive pipeline options that must make sense (Wan2.2's expert switch)."""
     if "boundary_ratio" in arch.options:
         ratio = index.get("boundary_ratio")
@@ -151,7 +152,7 @@ def _check_options(arch: Architecture, index: JsonObject, components: dict[str, 
             raise BaseModelError(f"model_index.json expand_timesteps must be true or false, not {index['expand_timesteps']!r}")
 
 
-def declared_components(arch: Architecture, index: JsonObject, index_file: str) -> dict[str, tuple[str, str]]:
+def declared_components(arch: Architecture, index: PipelineIndex, index_file: str) -> dict[str, tuple[str, str]]:
     """Every non-null component the index declares; unknown components are refused."""
     out: dict[str, tuple[str, str]] = {}
     for name, value in index.items():
@@ -220,7 +221,7 @@ def check_pipeline_contract(base_dir: Path, *, component: str, trust_remote_code
     return PipelineContract(arch, index_file, components, tuple(files), copy_files, excluded, changes)
 
 
-def check_pipeline_artifact(root: Path, manifest: JsonObject) -> None:
+def check_pipeline_artifact(root: Path, manifest: ManifestDocument) -> None:
     """`test` for pipelines: the index agrees with the manifest and every declared component is there."""
     index_file, index = read_index_for_test(root)
     if index.get("_class_name") != manifest["architecture"]:
@@ -242,7 +243,7 @@ def check_pipeline_artifact(root: Path, manifest: JsonObject) -> None:
         raise ArtifactInvalidError(f"{index_file} does not declare the trained component {trained!r}")
 
 
-def read_index_for_test(root: Path) -> tuple[str, JsonObject]:
+def read_index_for_test(root: Path) -> tuple[str, PipelineIndex]:
     """The artifact's pipeline index, read strictly; a pipeline artifact without one is invalid."""
     for name in INDEX_FILES:
         if (root / name).is_file():

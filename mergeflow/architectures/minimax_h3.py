@@ -13,13 +13,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from mergeflow.architectures.adapters import (
+    AdapterParams,
     ArchitectureAdapter,
     BaseWeights,
     TrainedSchema,
 )
 from mergeflow.config import QKV_LAYOUTS
 from mergeflow.errors import BaseModelError, LoraError, SchemaMismatchError
-from mergeflow.io.jsonfiles import JsonObject
+from mergeflow.formats.model_config import ModelConfig
 
 if TYPE_CHECKING:  # torch and the records load when a conversion runs: the registry imports this module
     import torch
@@ -112,7 +113,7 @@ def native_plan(source_names: list[str]) -> dict[str, tuple[str, list[str]]]:
     return out
 
 
-def native_config(diffusers_config: Mapping[str, Any], constructor_fields: list[str]) -> JsonObject:
+def native_config(diffusers_config: Mapping[str, Any], constructor_fields: list[str]) -> ModelConfig:
     """The native config fields implied by a full Diffusers config (defaults filled in)."""
     unmapped = sorted(set(constructor_fields) - set(CONFIG_SAME) - set(CONFIG_RENAMES))
     if unmapped:
@@ -249,7 +250,7 @@ def check_native_base(
     base_headers: Mapping[str, tuple[str, tuple[int, ...]]],
     stored_inv_freq: torch.Tensor | None,
     qkv_layout: str,
-) -> tuple[dict[str, tuple[int, ...]], tuple[str, ...], JsonObject, dict[str, tuple[int, ...]]]:
+) -> tuple[dict[str, tuple[int, ...]], tuple[str, ...], AdapterParams, dict[str, tuple[int, ...]]]:
     """Check a native base against the checkpoint's Diffusers config.
 
     Returns the Diffusers schema the checkpoint must cover, the fp32-kept modules, the

@@ -11,7 +11,8 @@ from pathlib import Path
 from mergeflow.architectures.adapters import DIFFUSERS, REMOTE_CODE, ArchitectureAdapter
 from mergeflow.architectures.minimax_h3 import MINIMAX_H3_NATIVE
 from mergeflow.errors import BaseModelError
-from mergeflow.io.jsonfiles import JsonObject, read_json_strict
+from mergeflow.formats.model_config import PipelineIndex
+from mergeflow.io.jsonfiles import read_json_strict
 
 MODEL, SCHEDULER, TOKENIZER, PROCESSOR = "model", "scheduler", "tokenizer", "processor"
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
@@ -140,7 +141,7 @@ class BaseLayout:
     index_file: str | None = None  # model_index.json or modular_model_index.json for pipelines
 
 
-def read_index(base_dir: Path) -> tuple[str, JsonObject] | None:
+def read_index(base_dir: Path) -> tuple[str, PipelineIndex] | None:
     """The pipeline index of a base (model_index.json first, then the modular one), or None."""
     for name in INDEX_FILES:
         path = base_dir / name
@@ -165,7 +166,7 @@ def architecture_of(class_name: object, index_file: str) -> Architecture:
     return arch
 
 
-def declared_entry(index: JsonObject, component: str) -> tuple[str, str] | None:
+def declared_entry(index: PipelineIndex, component: str) -> tuple[str, str] | None:
     """(library, class) the index declares for a component; None when absent or null."""
     value = index.get(component)
     if not isinstance(value, (list, tuple)) or len(value) not in (2, 3):

@@ -15,8 +15,9 @@ from typing import Any
 import torch
 
 from mergeflow.errors import BaseModelError, SchemaMismatchError
+from mergeflow.formats.model_config import ModelConfig
 from mergeflow.formats.rank_files import dtype_name
-from mergeflow.io.jsonfiles import JsonObject, read_json_strict
+from mergeflow.io.jsonfiles import read_json_strict
 
 
 def diffusers_model_class(class_name: str) -> type:
@@ -54,16 +55,16 @@ class TensorBudget:
 
     max_tensors: int
     evidence: str = ""  # what the bound rests on, as the refusal quotes it: "the rank files hold 1,156"
-    checkpoint_config: JsonObject | None = None
-    base_config: JsonObject | None = None
+    checkpoint_config: ModelConfig | None = None
+    base_config: ModelConfig | None = None
 
     @classmethod
-    def for_checkpoint(cls, tensors_held: int, checkpoint_config: JsonObject | None = None,
-                       base_config: JsonObject | None = None) -> TensorBudget:
+    def for_checkpoint(cls, tensors_held: int, checkpoint_config: ModelConfig | None = None,
+                       base_config: ModelConfig | None = None) -> TensorBudget:
         return cls(CHECKPOINT_FACTOR * tensors_held + CHECKPOINT_SLACK, f"the rank files hold {tensors_held:,} tensors",
                    checkpoint_config, base_config)
 
-    def refusal(self, class_name: str, config: JsonObject, size: str) -> SchemaMismatchError:
+    def refusal(self, class_name: str, config: ModelConfig, size: str) -> SchemaMismatchError:
         """One line: which config, how large it came out, the values that look wrong, what it is held against."""
         if self.checkpoint_config is not None and config == self.checkpoint_config:
             what, other, other_name = "huggingface/config.json of the checkpoint", self.base_config, "the base"
@@ -77,7 +78,7 @@ class TensorBudget:
                                    f"{against}; fix the config")
 
 
-def _suspects(config: JsonObject, other: JsonObject | None, other_name: str) -> str:
+def _suspects(config: ModelConfig, other: ModelConfig | None, other_name: str) -> str:
     """The integer fields that most likely blew the size up: those that differ from the other config, else the largest."""
     ints = {k: v for k, v in config.items() if isinstance(v, int) and not isinstance(v, bool) and not k.startswith("_")}
     if other is not None:
@@ -178,7 +179,7 @@ def _quiet_diffusers() -> Iterator[None]:
                 diffusers_logging.set_verbosity(_saved_verbosity)
 
 
-def meta_model(cls: type, config: JsonObject, budget: TensorBudget | None = None) -> torch.nn.Module:
+def meta_model(cls: type, config: ModelConfig, budget: TensorBudget | None = None) -> torch.nn.Module:
     """Instantiate `cls` from `config` on the meta device: shapes without memory, work held to `budget`."""
     from torch.nn.modules import module as nn_module
 
@@ -232,7 +233,7 @@ class ModelSchema:
     the meta module's state_dict() shapes and the modules kept in float32."""
 
     class_name: str
-    fields: JsonObject
+    fields: ModelConfig
     tensors: dict[str, tuple[int, ...]]
     keep_fp32: tuple[str, ...]
 
@@ -246,7 +247,7 @@ class ModelSchema:
 SCHEMA_CACHE_VERSION = 1
 
 
-def model_schema(class_name: str, config: JsonObject, budget: TensorBudget | None = None) -> ModelSchema:
+def model_schema(class_name: str, config: ModelConfig, budget: TensorBudget | None = None) -> ModelSchema:
     """The schema `class_name` builds from `config` on the meta device, remembered on disk.
 
     Instantiating the class is cheap; importing Diffusers to get at it costs 2-3 s of every
@@ -280,7 +281,7 @@ def model_schema(class_name: str, config: JsonObject, budget: TensorBudget | Non
     return schema
 
 
-def _schema_cache_path(class_name: str, config: JsonObject) -> Path | None:
+def _schema_cache_path(class_name: str, config: ModelConfig) -> Path | None:
     import hashlib
     import json
     import os
@@ -354,7 +355,7 @@ def is_kept_in_fp32(key: str, modules: tuple[str, ...]) -> bool:
     return any(m in parts for m in modules)
 
 
-def read_model_config(path: Path, error: type, what: str) -> JsonObject:
+def read_model_config(path: Path, error: type, what: str) -> ModelConfig:
     data = read_json_strict(path, error, what)
     if not isinstance(data, dict):
         raise error(f"{what} must be a JSON object")

@@ -9,11 +9,11 @@ import torch
 
 from mergeflow.demo.tiny_transformers import (
     TINY_TRANSFORMER_CONFIGS,
+    ModelKwargs,
     keeps_fp32,
     transformer_class,
 )
 from mergeflow.errors import UsageError
-from mergeflow.io.jsonfiles import JsonObject
 
 SIZE_TOLERANCE = 0.15
 # Width grows in whole heads of this size, depth fills in the rest; about this many layers
@@ -22,7 +22,7 @@ _TARGET_LAYERS = 8
 _MIN_LAYERS = 2  # SD3's first (dual) and last (context-pre-only) blocks differ from the rest
 
 
-def _flux(heads: int, layers: int) -> JsonObject:
+def _flux(heads: int, layers: int) -> ModelKwargs:
     return {
         "num_attention_heads": heads,
         "attention_head_dim": 128,
@@ -32,7 +32,7 @@ def _flux(heads: int, layers: int) -> JsonObject:
     }
 
 
-def _sd3(heads: int, layers: int) -> JsonObject:
+def _sd3(heads: int, layers: int) -> ModelKwargs:
     return {
         "num_attention_heads": heads,
         "attention_head_dim": 64,
@@ -41,7 +41,7 @@ def _sd3(heads: int, layers: int) -> JsonObject:
     }
 
 
-def _qwen(heads: int, layers: int) -> JsonObject:
+def _qwen(heads: int, layers: int) -> ModelKwargs:
     return {
         "num_attention_heads": heads,
         "attention_head_dim": 128,
@@ -50,11 +50,11 @@ def _qwen(heads: int, layers: int) -> JsonObject:
     }
 
 
-def _wan(heads: int, layers: int) -> JsonObject:
+def _wan(heads: int, layers: int) -> ModelKwargs:
     return {"num_attention_heads": heads, "attention_head_dim": 128, "ffn_dim": 512 * heads, "num_layers": layers}
 
 
-def _ltx2(heads: int, layers: int) -> JsonObject:
+def _ltx2(heads: int, layers: int) -> ModelKwargs:
     return {
         "num_attention_heads": heads,
         "attention_head_dim": 128,
@@ -63,7 +63,7 @@ def _ltx2(heads: int, layers: int) -> JsonObject:
     }
 
 
-def _minimax_h3(heads: int, layers: int) -> JsonObject:
+def _minimax_h3(heads: int, layers: int) -> ModelKwargs:
     return {
         "num_attention_heads": heads,
         "attention_head_dim": 128,
@@ -75,7 +75,7 @@ def _minimax_h3(heads: int, layers: int) -> JsonObject:
     }
 
 
-_SCALERS: dict[str, Callable[[int, int], JsonObject]] = {
+_SCALERS: dict[str, Callable[[int, int], ModelKwargs]] = {
     "FluxTransformer2DModel": _flux,
     "SD3Transformer2DModel": _sd3,
     "QwenImageTransformer2DModel": _qwen,
@@ -85,7 +85,7 @@ _SCALERS: dict[str, Callable[[int, int], JsonObject]] = {
 }
 
 
-def state_dict_bytes(class_name: str, overrides: JsonObject, dtype: torch.dtype) -> int:
+def state_dict_bytes(class_name: str, overrides: ModelKwargs, dtype: torch.dtype) -> int:
     """Bytes of the model's state dict after a cast to `dtype` (fp32-kept modules at 4 bytes)."""
     config = copy.deepcopy(TINY_TRANSFORMER_CONFIGS[class_name])
     config.update(overrides)
@@ -99,7 +99,7 @@ def state_dict_bytes(class_name: str, overrides: JsonObject, dtype: torch.dtype)
     return total
 
 
-def scaled_overrides(class_name: str, size_bytes: int, dtype: torch.dtype) -> JsonObject:
+def scaled_overrides(class_name: str, size_bytes: int, dtype: torch.dtype) -> ModelKwargs:
     """Config overrides (heads, head size, layers) whose weights total `size_bytes` within 15%."""
     transformer_class(class_name)  # clear error for an unknown class
     scale = _SCALERS[class_name]
@@ -119,7 +119,7 @@ def scaled_overrides(class_name: str, size_bytes: int, dtype: torch.dtype) -> Js
             low = mid + 1
         else:
             high = mid
-    best: tuple[float, JsonObject] | None = None
+    best: tuple[float, ModelKwargs] | None = None
     for heads in sorted({max(1, low - 1), low}):
         fixed = size(heads, _MIN_LAYERS)
         per_layer = size(heads, _MIN_LAYERS + 1) - fixed  # size is linear in depth past the minimum

@@ -17,12 +17,16 @@ from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 
 from mergeflow.errors import UsageError
-from mergeflow.io.jsonfiles import JsonObject
+
+# A Diffusers class's constructor keyword arguments: sizes, flags, names and tuples of sizes.
+ModelKwargs = dict[str, int | float | bool | str | tuple[int, ...]]
+# The keyword arguments of one forward pass: tensors, and the few plain sizes or shapes a model takes.
+ForwardInputs = dict[str, torch.Tensor | int | float | list[list[tuple[int, int, int]]]]
 
 # Constructor kwargs per Diffusers class. Every model has a tensor with 1 or 2 rows (an
 # output projection or modulation table), so 3 and 4 ranks both get an empty shard, and
 # several 5-, 7-, 10-, 13-, 20-, 25- or 30-row tensors, so shards are uneven.
-TINY_TRANSFORMER_CONFIGS: dict[str, JsonObject] = {
+TINY_TRANSFORMER_CONFIGS: dict[str, ModelKwargs] = {
     "FluxTransformer2DModel": {
         "patch_size": 1,
         "in_channels": 5,
@@ -206,7 +210,7 @@ def perturb_(model: nn.Module, *, seed: int, scale: float = 1e-2) -> None:
                 param.add_(noise, alpha=scale)
 
 
-def tiny_forward_inputs(class_name: str, config: Mapping[str, Any], *, seed: int = 0) -> JsonObject:
+def tiny_forward_inputs(class_name: str, config: Mapping[str, Any], *, seed: int = 0) -> ForwardInputs:
     """Fixed tiny keyword inputs (batch 1) for one forward pass of a model built from `config`."""
     gen = torch.Generator().manual_seed(seed)
 
@@ -268,7 +272,7 @@ def tiny_forward_inputs(class_name: str, config: Mapping[str, Any], *, seed: int
     raise UsageError(f"no tiny forward inputs for {class_name!r}")
 
 
-def _minimax_h3_inputs(config: Mapping[str, Any], noise: Any) -> JsonObject:
+def _minimax_h3_inputs(config: Mapping[str, Any], noise: Any) -> ForwardInputs:
     """One packed sequence: 2 text rows, 2 audio rows, 3 video rows, two noise levels."""
     n_text, n_audio, n_video = 2, 2, 3
     length = n_text + n_audio + n_video

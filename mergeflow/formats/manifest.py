@@ -7,11 +7,10 @@ import json
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 from mergeflow.errors import ArtifactInvalidError
 from mergeflow.formats.safetensors_format import DTYPES
-from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.io.paths import check_relative_name
 
 MANIFEST_NAME = "merge_manifest.json"
@@ -63,6 +62,66 @@ def producer_versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             continue
     return versions
+
+
+class TensorJson(TypedDict):
+    """`tensors[name]` as written: the shape as a list."""
+
+    shape: list[int]
+    dtype: str
+
+
+class CheckpointRecord(TypedDict, total=False):
+    """`checkpoint`: the checkpoint source's own record (mergeflow.sources); each source writes its keys in its order."""
+
+    layout: str  # a torch DCP only
+    world_size: int
+    fsdp_version: int  # verl rank files only
+
+
+class LoraAdapterJson(TypedDict):
+    """`lora_adapter` as written (`LoraAdapterRecord.to_json`)."""
+
+    adapter_name: str
+    format: str
+    base_model_name_or_path: str | None
+    layout: str
+    r: int
+    lora_alpha: float
+    target_modules: list[str]
+    excluded_adapters: list[str]
+    settings_source: str
+
+
+class ManifestDocument(TypedDict):
+    """merge_manifest.json as a JSON document: what `Manifest.to_json` writes and `check_manifest` accepts.
+
+    `test` reads it back from the artifact (no `Manifest` record exists there); each key's type is
+    checked by `check_manifest` before any output's checks read it.
+    """
+
+    schema_version: int
+    artifact_type: ArtifactType
+    architecture: str
+    backend: str
+    trained_components: list[str]
+    tensor_directory: str
+    dtype: str
+    max_shard_size_bytes: int
+    source_files: dict[str, str]
+    source_model_config: dict[str, str]  # sha256, logical_path
+    source_fingerprint: str
+    base_files: dict[str, str]
+    base_fingerprint: str
+    files: dict[str, str]
+    tensors: dict[str, TensorJson]
+    config_transform: dict[str, Any]  # ConfigTransform.to_json
+    producer: dict[str, str]
+    verification: dict[str, str]
+    checkpoint: NotRequired[CheckpointRecord]
+    lora_fusion: NotRequired[dict[str, Any]]  # LoraFusion.to_json
+    lora_adapter: NotRequired[LoraAdapterJson]
+    unchanged_check: NotRequired[dict[str, int]]  # UnchangedMeasurement's counts
 
 
 # The records of a manifest. A merge builds one `Manifest` and serializes it once (`to_json`, at the
@@ -145,7 +204,7 @@ class LoraAdapterRecord:
     excluded_adapters: tuple[str, ...]
     settings_source: str
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> LoraAdapterJson:
         return {"adapter_name": self.adapter_name, "format": self.format,
                 "base_model_name_or_path": self.base_model_name_or_path, "layout": self.layout, "r": self.r,
                 "lora_alpha": self.lora_alpha, "target_modules": list(self.target_modules),
@@ -178,7 +237,7 @@ class Manifest:
     config_transform: ConfigTransform
     producer: Mapping[str, str]
     verification: Mapping[str, str]
-    checkpoint: Mapping[str, Any]  # the checkpoint source's own record (mergeflow.sources)
+    checkpoint: CheckpointRecord  # the checkpoint source's own record (mergeflow.sources)
     lora_fusion: LoraFusion | None = None
     lora_adapter: LoraAdapterRecord | None = None
     unchanged_check: UnchangedMeasurement | None = None  # only when the guard compared every tensor
@@ -194,11 +253,11 @@ class Manifest:
     def base_fingerprint(self) -> str:
         return fingerprint(dict(self.base_files))
 
-    def tensors_json(self) -> dict[str, Any]:
+    def tensors_json(self) -> dict[str, TensorJson]:
         return {name: {"shape": list(info.shape), "dtype": info.dtype} for name, info in self.tensors.items()}
 
-    def to_json(self) -> JsonObject:
-        data: JsonObject = {
+    def to_json(self) -> ManifestDocument:
+        data: ManifestDocument = {
             "schema_version": self.schema_version,
             "artifact_type": self.artifact_type,
             "architecture": self.architecture,
@@ -218,7 +277,7 @@ class Manifest:
             "config_transform": self.config_transform.to_json(),
             "producer": dict(self.producer),
             "verification": dict(self.verification),
-            "checkpoint": dict(self.checkpoint),
+            "checkpoint": CheckpointRecord(**self.checkpoint),
         }
         if self.lora_fusion is not None:
             data["lora_fusion"] = self.lora_fusion.to_json()
@@ -234,14 +293,14 @@ def _is_sha256(value: object) -> bool:
     return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 
-def _check_digest_map(name: str, value: JsonObject) -> None:
+def _check_digest_map(name: str, value: Mapping[str, object]) -> None:
     for rel, digest in value.items():
         check_relative_name(rel, f"manifest {name}")
         if not _is_sha256(digest):
             raise ArtifactInvalidError(f"manifest {name}[{rel!r}] is not a sha256 hex digest")
 
 
-def check_manifest(data: Any, artifact_types: Collection[str] | None = None) -> JsonObject:
+def check_manifest(data: Any, artifact_types: Collection[str] | None = None) -> ManifestDocument:
     """Schema and types of a manifest; returns it unchanged when valid.
 
     `artifact_types`: the ones the registered outputs write (`test` passes them; the outputs live
@@ -286,7 +345,7 @@ def check_manifest(data: Any, artifact_types: Collection[str] | None = None) -> 
     return data
 
 
-def _check_source_model_config(smc: JsonObject) -> None:
+def _check_source_model_config(smc: Mapping[str, object]) -> None:
     path = smc.get("logical_path")
     from_base = isinstance(path, str) and path.startswith(BASE_CONFIG_PREFIX) and path.endswith("config.json")
     if not _is_sha256(smc.get("sha256")) or not (path in (VERL_CONFIG_PATH, FLAG_CONFIG_PATH) or from_base):

@@ -24,6 +24,7 @@ from urllib.parse import urlsplit, urlunsplit
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, get_token
 from huggingface_hub.hf_api import CommitInfo, RepoFile
 
+from mergeflow.config import UploadSummary
 from mergeflow.errors import (
     ArtifactInvalidError,
     PathSafetyError,
@@ -32,7 +33,7 @@ from mergeflow.errors import (
 )
 from mergeflow.formats.manifest import MANIFEST_NAME
 from mergeflow.hub.retry import call_with_retries
-from mergeflow.io.jsonfiles import JsonObject, read_json_strict
+from mergeflow.io.jsonfiles import read_json_strict
 from mergeflow.io.paths import check_relative_name
 from mergeflow.io.session import sha256_file
 from mergeflow.lora.artifact import adapter_only_root
@@ -56,9 +57,9 @@ class UploadRecord:
     bytes_verified: int
     private: bool
 
-    def to_dict(self) -> JsonObject:
+    def to_dict(self) -> UploadSummary:
         """The record as a JSON-serialisable dict."""
-        return asdict(self)
+        return UploadSummary(**asdict(self))
 
 
 @dataclass(frozen=True)

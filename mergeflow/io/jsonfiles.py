@@ -12,9 +12,10 @@ from mergeflow.errors import MergeflowError
 from mergeflow.io.os_errors import name_written_file
 from mergeflow.io.session import active_session
 
-# A JSON object as read from or written to a file (a config, an index, a manifest, an event
-# payload, a command's JSON result). Its schema is its file format's, checked where it is read;
-# records (mergeflow.records) carry everything mergeflow decides itself.
+# A JSON object at an edge, not yet given its shape: as parsed from a file or as an event's or a
+# deployment's payload. Once read and checked, the code passes named shapes instead: ModelConfig
+# and PipelineIndex (mergeflow.formats.model_config), ManifestDocument (mergeflow.formats.manifest),
+# each command's TypedDict result; records (mergeflow.records) carry everything mergeflow decides itself.
 JsonObject = dict[str, Any]
 
 # Temporary files of durable writes carry this in their name, so a resume after a kill can tell

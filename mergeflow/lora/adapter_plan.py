@@ -9,8 +9,7 @@ from pathlib import Path
 from mergeflow.errors import BaseModelError, LoraError
 from mergeflow.export.reconstruct.rebuild import check_coverage, output_dtype
 from mergeflow.formats.weight_index import read_weight_headers
-from mergeflow.io.jsonfiles import JsonObject
-from mergeflow.lora.config import peft_adapter_config
+from mergeflow.lora.config import AdapterConfig, peft_adapter_config
 from mergeflow.lora.keys import (
     base_state_keys,
     group_adapters,
@@ -53,7 +52,7 @@ def plan_lora_export(plan: MergePlan, layouts: dict[str, TensorLayout]) -> LoraP
     selected = grouped[spec.adapter_name]
     saved = saved_modules(keys).get(spec.adapter_name, {})
     adapter_keys: dict[str, str] = {}
-    config: JsonObject | None = None
+    config: AdapterConfig | None = None
     if not spec.fuse:
         config = peft_adapter_config(settings, target_modules(selected), spec.base_model_name_or_path, saved or None)
         adapter_keys = adapter_output(spec.adapter_format).adapter_keys(spec.adapter_name, selected, saved)

@@ -23,6 +23,9 @@ from mergeflow.lora.keys import AdapterModuleKeys
 
 TRAIN_META_NAME = "lora_train_meta.json"
 ADAPTER_CONFIG_NAME = "adapter_config.json"
+# A PEFT LoraConfig as a dict: adapter_config.json's content as read (settings_from_config_dict checks it)
+# or as an exported adapter writes it (peft_adapter_config).
+AdapterConfig = Mapping[str, Any]
 
 # init_lora_weights values whose initialisation subtracts the initial adapter from the base weight
 # (PEFT: pissa_init, corda_init, olora_init, loftq_init, lora_ga_init rewrite `base_layer.weight`).
@@ -124,10 +127,10 @@ def load_train_meta(path: Path) -> LoraTrainMeta:
     return parse_train_meta(current_session().read_bytes(Path(path)), what=str(path))  # once per export
 
 
-def _lora_config_defaults() -> JsonObject:
+def _lora_config_defaults() -> AdapterConfig:
     from peft import LoraConfig
 
-    defaults: JsonObject = {}
+    defaults: dict[str, object] = {}
     for item in dataclasses.fields(LoraConfig):
         if item.default is not dataclasses.MISSING:
             defaults[item.name] = item.default
@@ -136,7 +139,7 @@ def _lora_config_defaults() -> JsonObject:
     return defaults
 
 
-def _pattern(value: Any, name: str, what: str, number: Any) -> JsonObject:
+def _pattern(value: Any, name: str, what: str, number: Any) -> dict[str, float]:
     if value is None:
         return {}
     if not isinstance(value, dict):
@@ -159,7 +162,7 @@ def _flag(data: Mapping[str, Any], name: str, what: str) -> bool:
     return value
 
 
-def settings_from_config_dict(data: Mapping[str, Any], what: str = ADAPTER_CONFIG_NAME) -> AdapterSettings:
+def settings_from_config_dict(data: AdapterConfig, what: str = ADAPTER_CONFIG_NAME) -> AdapterSettings:
     """Build AdapterSettings from a PEFT LoraConfig dict; fields PEFT 0.21 does not know are refused."""
     defaults = _lora_config_defaults()
     unknown = sorted(set(data) - set(defaults) - {"runtime_config"})
@@ -302,7 +305,7 @@ def peft_adapter_config(
     target_modules: Iterable[str],
     base_model_name_or_path: str | None,
     modules_to_save: Iterable[str] | None = None,
-) -> JsonObject:
+) -> AdapterConfig:
     """A genuine PEFT LoraConfig dict (JSON-ready, sets sorted, task_type null) for an exported adapter."""
     from peft import LoraConfig
 

@@ -13,10 +13,11 @@ from mergeflow.architectures.schema import model_schema, read_model_config
 from mergeflow.config import DEFAULT_ADAPTER_FORMAT, ModelMergerConfig
 from mergeflow.errors import BaseModelError, CheckpointError, LoraError, UsageError
 from mergeflow.export.plan.targets import TargetSchema, diffusers_schema
+from mergeflow.formats.model_config import ModelConfig
 from mergeflow.formats.verl_checkpoint import LORA_META
 from mergeflow.formats.weight_index import read_weight_map
 from mergeflow.io.fs import FileStamp
-from mergeflow.io.jsonfiles import JsonObject, read_json_strict
+from mergeflow.io.jsonfiles import read_json_strict
 from mergeflow.io.paths import check_no_overlap
 from mergeflow.io.session import current_session, sha256_file
 from mergeflow.io.staging import check_target
@@ -198,7 +199,7 @@ def resolve_adapter_inputs(config: ModelMergerConfig) -> dict[str, Path]:
 
 
 def adapter_target(config: ModelMergerConfig, spec: LoraSpec, base: Path | None,
-                   actor_config: JsonObject) -> tuple[TargetSchema, BaseInputs, LoraSpec]:
+                   actor_config: ModelConfig) -> tuple[TargetSchema, BaseInputs, LoraSpec]:
     """What a LoRA-only save's adapter export writes, with the base it names (checked when local)."""
     base_files: dict[str, str] = {}
     if base is not None:

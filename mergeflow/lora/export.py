@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mergeflow.errors import LoraError
-from mergeflow.io.jsonfiles import JsonObject
+from mergeflow.lora.config import AdapterConfig
 from mergeflow.lora.keys import ADAPTER_KINDS, PEFT_PREFIX, AdapterModuleKeys
 
 PEFT_ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
@@ -74,7 +74,7 @@ def diffusers_lora_keys(modules: Mapping[str, AdapterModuleKeys], component: str
     }
 
 
-def _json_ready(config_dict: Mapping[str, Any]) -> JsonObject:
+def _json_ready(config_dict: AdapterConfig) -> AdapterConfig:
     ready = {}
     for key, value in config_dict.items():
         # Diffusers' writer turns sets into lists; sorting keeps the bytes reproducible.

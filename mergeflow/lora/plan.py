@@ -15,8 +15,8 @@ from typing import Any
 
 from mergeflow.errors import LoraError, UsageError
 from mergeflow.formats.manifest import LoraFusion
-from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.lora.config import (
+    AdapterConfig,
     AdapterSettings,
     LoraTrainMeta,
     fusion_blockers,
@@ -123,7 +123,7 @@ class LoraPlan:
     modules: tuple[ModuleLora, ...]
     saved_overrides: dict[str, str] = field(default_factory=dict)  # fused output tensor -> checkpoint key
     adapter_keys: dict[str, str] = field(default_factory=dict)  # exported adapter key -> checkpoint key
-    adapter_config: JsonObject | None = None  # the exported PEFT LoraConfig dict
+    adapter_config: AdapterConfig | None = None  # the exported PEFT LoraConfig dict
 
     @property
     def writes_model(self) -> bool:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypedDict
 
 from mergeflow.config import (
     DEFAULT_DTYPE,
@@ -30,7 +30,6 @@ from mergeflow.config import (
     OutputFormat,
 )
 from mergeflow.errors import UsageError
-from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.io.staging import staging_dirs_of
 from mergeflow.ops.step_targets import default_target
 from mergeflow.ops.watch import find_checkpoints, inspect_checkpoint
@@ -121,5 +120,20 @@ def _one_step(settings: BackfillSettings, step: int, actor_dir: Path, target: Pa
     return StepResult(step, "done", str(target), "resumed" if resumed else "")
 
 
-def summary(results: list[StepResult]) -> JsonObject:
-    return {"steps": [asdict(r) for r in results]}
+class StepRecord(TypedDict):
+    """One StepResult in the summary's JSON."""
+
+    step: int
+    status: StepStatus
+    target: str
+    detail: str
+
+
+class BackfillSummary(TypedDict):
+    """`mergeflow backfill`'s last JSON line, and the backfill flow's result: every step, oldest first."""
+
+    steps: list[StepRecord]
+
+
+def summary(results: list[StepResult]) -> BackfillSummary:
+    return {"steps": [StepRecord(**asdict(r)) for r in results]}

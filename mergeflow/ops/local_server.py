@@ -26,12 +26,11 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Required, TypedDict
 
 import tomllib
 
 from mergeflow.errors import MergeflowError
-from mergeflow.io.jsonfiles import JsonObject
 
 STATE_FILE = "mergeflow-server.json"
 LOG_FILE = "mergeflow-server.log"
@@ -389,12 +388,34 @@ def _stop_group(pid: int, wait_s: float = 10.0) -> None:
             time.sleep(0.1)
 
 
-def server_status(home: Path | None = None) -> JsonObject:
+class ServerStatus(TypedDict, total=False):
+    """`mergeflow server status` (and `start`): whether our server runs, and where, when one is recorded."""
+
+    running: Required[bool]
+    state_file: Required[str]
+    ui_url: str
+    url: str  # the older name of ui_url
+    api_url: str
+    pid: int
+    port: int
+    log: str
+    configured_api_url: str  # the PREFECT_API_URL commands use instead
+    started: bool  # `start` only: whether this call started it
+
+
+class ServerStopped(TypedDict):
+    """`mergeflow server stop`: whether a server of ours was stopped, and its pid."""
+
+    stopped: bool
+    pid: int | None
+
+
+def server_status(home: Path | None = None) -> ServerStatus:
     """What `mergeflow server status` prints."""
     home = home or prefect_home()
     state = read_state(home)
     running = state is not None and _is_our_server(state) and healthy(state.api_url)
-    out: JsonObject = {"running": running, "state_file": str(home / STATE_FILE)}
+    out: ServerStatus = {"running": running, "state_file": str(home / STATE_FILE)}
     if state is not None:
         # `url` is the older key; `ui_url` says what it is: the address to open in a browser.
         out.update(ui_url=state.ui_url, url=state.ui_url, api_url=state.api_url, pid=state.pid, port=state.port, log=state.log_path)
@@ -403,7 +424,7 @@ def server_status(home: Path | None = None) -> JsonObject:
     return out
 
 
-def stop_local_server(home: Path | None = None) -> JsonObject:
+def stop_local_server(home: Path | None = None) -> ServerStopped:
     """Stop the background server if one is recorded; safe to call again."""
     home = home or prefect_home()
     with _server_lock(home):

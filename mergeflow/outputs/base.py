@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
 
 from mergeflow.errors import UsageError
-from mergeflow.io.jsonfiles import JsonObject
+from mergeflow.formats.manifest import ManifestDocument
+from mergeflow.formats.model_config import ModelConfig
 
 if TYPE_CHECKING:  # torch behind records and targets: named for type checkers only
     from collections.abc import Mapping
@@ -107,20 +108,20 @@ class ArtifactOutput(ABC):
         return type(self).map_tensor is not ArtifactOutput.map_tensor
 
     # -- what `test` checks --------------------------------------------------------------------
-    def claims(self, manifest: JsonObject) -> bool:
+    def claims(self, manifest: ManifestDocument) -> bool:
         """Whether a manifest of one of `artifact_types` is this output's (adapters share one type)."""
         return True
 
-    def unclaimed(self, manifest: JsonObject, others: list[ArtifactOutput]) -> str:
+    def unclaimed(self, manifest: ManifestDocument, others: list[ArtifactOutput]) -> str:
         """The refusal when no output of the manifest's artifact_type claims it."""
         return f"manifest artifact_type {manifest['artifact_type']!r} is unknown"
 
     @abstractmethod
-    def check_configs(self, root: Path, manifest: JsonObject) -> None:
+    def check_configs(self, root: Path, manifest: ManifestDocument) -> None:
         """The artifact's configs agree with its manifest (run after the tree and hashes are proven)."""
 
     @abstractmethod
-    def check_weights(self, root: Path, manifest: JsonObject) -> int:
+    def check_weights(self, root: Path, manifest: ManifestDocument) -> int:
         """The weight files hold exactly the manifest's tensors; returns how many."""
 
     def check_staged(self, plan: MergePlan, tensors: Mapping[str, TensorInfo]) -> None:
@@ -146,5 +147,5 @@ class ModelOutput(ArtifactOutput):
         return True
 
     @abstractmethod
-    def target(self, config: ModelMergerConfig, base: Path, layout: BaseLayout, actor_config: JsonObject) -> TargetSchema:
+    def target(self, config: ModelMergerConfig, base: Path, layout: BaseLayout, actor_config: ModelConfig) -> TargetSchema:
         """Targets, file names, the schema to cover, base files (hashed) and the files copied from the base."""

@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mergeflow.errors import ArtifactInvalidError
+from mergeflow.formats.manifest import ManifestDocument, TensorJson
 from mergeflow.formats.safetensors_format import nbytes
 from mergeflow.formats.weight_index import WEIGHT_NAMES, has_weights, read_weights
 from mergeflow.io.config_paths import is_config_json
-from mergeflow.io.jsonfiles import JsonObject, read_json_strict
+from mergeflow.io.jsonfiles import read_json_strict
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from mergeflow.records import MergePlan
 
 
-def check_weights(tensor_dir: Path, rel_prefix: str, tensors: JsonObject,
+def check_weights(tensor_dir: Path, rel_prefix: str, tensors: Mapping[str, TensorJson],
                   weights_names: tuple[str, ...] = WEIGHT_NAMES) -> int:
     """The weight files (single or indexed, under one of `weights_names`) hold exactly the manifest's tensors."""
     weights_name = next((name for name in weights_names if has_weights(tensor_dir, name)), None)
@@ -51,14 +52,14 @@ def check_weights(tensor_dir: Path, rel_prefix: str, tensors: JsonObject,
     return len(found)
 
 
-def check_manifest_tensors(root: Path, manifest: JsonObject, weights_names: tuple[str, ...] = WEIGHT_NAMES) -> int:
+def check_manifest_tensors(root: Path, manifest: ManifestDocument, weights_names: tuple[str, ...] = WEIGHT_NAMES) -> int:
     """`check_weights` on the manifest's tensor directory (no tensors listed: nothing to read)."""
     tensor_dir = root / manifest["tensor_directory"]
     prefix = "" if manifest["tensor_directory"] == "." else manifest["tensor_directory"]
     return check_weights(tensor_dir, prefix, manifest["tensors"], weights_names) if manifest["tensors"] else 0
 
 
-def check_root_class(root: Path, manifest: JsonObject) -> None:
+def check_root_class(root: Path, manifest: ManifestDocument) -> None:
     """The root config.json names the manifest's architecture (a standalone model)."""
     data = read_json_strict(root / "config.json", ArtifactInvalidError, "config.json")
     if not isinstance(data, dict) or data.get("_class_name") != manifest["architecture"]:
@@ -66,7 +67,7 @@ def check_root_class(root: Path, manifest: JsonObject) -> None:
                                    f"but the manifest says {manifest['architecture']!r}")
 
 
-def check_model_configs(root: Path, manifest: JsonObject) -> None:
+def check_model_configs(root: Path, manifest: ManifestDocument) -> None:
     """The tensor directory has its config.json; no config leaks a local path."""
     tensor_dir = root / manifest["tensor_directory"]
     if not (tensor_dir / "config.json").is_file():

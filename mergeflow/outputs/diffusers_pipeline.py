@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, ClassVar
 from mergeflow.architectures.contract import check_pipeline_artifact
 from mergeflow.architectures.registry import PIPELINES
 from mergeflow.errors import UsageError
-from mergeflow.io.jsonfiles import JsonObject
+from mergeflow.formats.manifest import ManifestDocument
+from mergeflow.formats.model_config import ModelConfig
 from mergeflow.outputs.base import BaseNeed, ModelOutput
 from mergeflow.outputs.checks import (
     check_manifest_tensors,
@@ -52,7 +53,7 @@ class DiffusersPipeline(ModelOutput):
         arch = _architecture(layout)  # a remote-code or converted component is checked by its adapter
         return arch is not None and arch.adapter.instantiates_model
 
-    def target(self, config: ModelMergerConfig, base: Path, layout: BaseLayout, actor_config: JsonObject) -> TargetSchema:
+    def target(self, config: ModelMergerConfig, base: Path, layout: BaseLayout, actor_config: ModelConfig) -> TargetSchema:
         """The contract, the trained component's schema, every base file hashed."""
         from mergeflow.architectures.adapters import BaseWeights
         from mergeflow.architectures.contract import check_pipeline_contract
@@ -85,11 +86,11 @@ class DiffusersPipeline(ModelOutput):
             copy_files=contract.copy_files, conversion=conversion,
         )
 
-    def check_configs(self, root: Path, manifest: JsonObject) -> None:
+    def check_configs(self, root: Path, manifest: ManifestDocument) -> None:
         check_pipeline_artifact(root, manifest)  # the (modular) model_index.json and every declared component
         check_model_configs(root, manifest)
 
-    def check_weights(self, root: Path, manifest: JsonObject) -> int:
+    def check_weights(self, root: Path, manifest: ManifestDocument) -> int:
         return check_manifest_tensors(root, manifest)
 
     def check_staged(self, plan: MergePlan, tensors: Mapping[str, TensorInfo]) -> None:

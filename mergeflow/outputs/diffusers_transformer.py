@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
-from mergeflow.io.jsonfiles import JsonObject
+from mergeflow.formats.manifest import ManifestDocument
+from mergeflow.formats.model_config import ModelConfig
 from mergeflow.outputs.base import BaseNeed, ModelOutput
 from mergeflow.outputs.checks import (
     check_manifest_tensors,
@@ -37,7 +38,7 @@ class DiffusersTransformer(ModelOutput):
     base_need: ClassVar[BaseNeed] = "transformer"
     weights_name: ClassVar[str] = WEIGHTS_NAME  # the artifact's weights (the base's are always Diffusers')
 
-    def target(self, config: ModelMergerConfig, base: Path, layout: BaseLayout, actor_config: JsonObject) -> TargetSchema:
+    def target(self, config: ModelMergerConfig, base: Path, layout: BaseLayout, actor_config: ModelConfig) -> TargetSchema:
         from mergeflow.architectures.adapters import (
             check_base_headers,
             diffusers_schema,
@@ -66,11 +67,11 @@ class DiffusersTransformer(ModelOutput):
             base_stamps={str(config_path): FileStamp.of(config_path)}, output=self.name,
         )
 
-    def check_configs(self, root: Path, manifest: JsonObject) -> None:
+    def check_configs(self, root: Path, manifest: ManifestDocument) -> None:
         check_root_class(root, manifest)
         check_model_configs(root, manifest)
 
-    def check_weights(self, root: Path, manifest: JsonObject) -> int:
+    def check_weights(self, root: Path, manifest: ManifestDocument) -> int:
         return check_manifest_tensors(root, manifest)
 
     def check_staged(self, plan: MergePlan, tensors: Mapping[str, TensorInfo]) -> None:

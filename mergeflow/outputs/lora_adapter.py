@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from mergeflow.errors import ArtifactInvalidError
+from mergeflow.formats.manifest import LoraAdapterJson, ManifestDocument
 from mergeflow.formats.safetensors_format import read_header
-from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.lora.artifact import ADAPTER_DIR
 from mergeflow.outputs.base import ArtifactOutput, BaseNeed, SelectedBy
 
@@ -51,25 +51,25 @@ class AdapterOutput(ArtifactOutput):
         return []
 
     # -- what `test` checks ----------------------------------------------------------------------
-    def claims(self, manifest: JsonObject) -> bool:
+    def claims(self, manifest: ManifestDocument) -> bool:
         record = manifest.get("lora_adapter")
         return isinstance(record, dict) and record.get("format") == self.option_value
 
-    def unclaimed(self, manifest: JsonObject, others: list[ArtifactOutput]) -> str:
+    def unclaimed(self, manifest: ManifestDocument, others: list[ArtifactOutput]) -> str:
         formats = " or ".join(repr(o.option_value) for o in others)
         return f"a {ADAPTER_ARTIFACT_TYPE} manifest needs lora_adapter.format {formats}"
 
-    def check_configs(self, root: Path, manifest: JsonObject) -> None:
+    def check_configs(self, root: Path, manifest: ManifestDocument) -> None:
         """An adapter's own config is checked with its weights (check_extra)."""
 
-    def check_extra(self, root: Path, record: JsonObject) -> None:
+    def check_extra(self, root: Path, record: LoraAdapterJson) -> None:
         """The files beside the weights agree with the manifest's lora_adapter record."""
 
     def check_metadata(self, file_name: str, metadata: dict[str, str]) -> None:
         if metadata.get("format") != "pt":
             raise ArtifactInvalidError(f"{file_name}: header metadata lacks format 'pt'")
 
-    def check_weights(self, root: Path, manifest: JsonObject) -> int:
+    def check_weights(self, root: Path, manifest: ManifestDocument) -> int:
         """The adapter's config and weight file agree with its manifest; returns the tensor count."""
         record = manifest["lora_adapter"]
         file_name = self.weights_name

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from mergeflow.errors import ArtifactInvalidError, LoraError
-from mergeflow.io.jsonfiles import JsonObject, read_json_strict
+from mergeflow.formats.manifest import LoraAdapterJson
+from mergeflow.io.jsonfiles import read_json_strict
 from mergeflow.lora.config import ADAPTER_CONFIG_NAME, settings_from_config_dict
 from mergeflow.lora.export import (
     PEFT_ADAPTER_WEIGHTS_NAME,
@@ -46,7 +47,7 @@ class PeftAdapter(AdapterOutput):
     def extra_files(self, adapter_config: Mapping[str, Any]) -> list[tuple[str, bytes]]:
         return [(ADAPTER_CONFIG_NAME, (adapter_config_json(adapter_config) + "\n").encode("utf-8"))]
 
-    def check_extra(self, root: Path, record: JsonObject) -> None:
+    def check_extra(self, root: Path, record: LoraAdapterJson) -> None:
         data = read_json_strict(root / ADAPTER_CONFIG_NAME, ArtifactInvalidError, ADAPTER_CONFIG_NAME)
         if not isinstance(data, dict):
             raise ArtifactInvalidError(f"{ADAPTER_CONFIG_NAME} must hold a JSON object")

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from mergeflow.config import add_output_format, remove_output_format
 from mergeflow.errors import ArtifactInvalidError, SchemaMismatchError, UsageError
-from mergeflow.io.jsonfiles import JsonObject
+from mergeflow.formats.manifest import ManifestDocument
 from mergeflow.outputs.base import ArtifactOutput, ModelOutput
 from mergeflow.outputs.diffusers_lora import DiffusersLora
 from mergeflow.outputs.diffusers_pipeline import DiffusersPipeline
@@ -88,7 +88,7 @@ def output_of(plan: MergePlan) -> ArtifactOutput:
     return _OUTPUTS[plan.output.kind]
 
 
-def output_for_manifest(manifest: JsonObject) -> ArtifactOutput:
+def output_for_manifest(manifest: ManifestDocument) -> ArtifactOutput:
     """The output whose artifact a (schema-checked) manifest describes."""
     candidates = [o for o in _OUTPUTS.values() if manifest["artifact_type"] in o.artifact_types]
     for o in candidates:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol, TypedDict
 
 from mergeflow.errors import BaseModelError, CheckpointError
 
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     import torch
 
     from mergeflow.config import ModelMergerConfig
-    from mergeflow.io.jsonfiles import JsonObject
+    from mergeflow.formats.manifest import CheckpointRecord
     from mergeflow.records import CheckpointInputs, RankIndex, TensorLayout
 
 
@@ -45,6 +45,20 @@ class Indexing(Enum):
     PER_FILE = "per_file"
     # The checkpoint's own metadata lists every layout: one task (`index-dcp-metadata`) runs `read_layouts`.
     METADATA = "metadata"
+
+
+class CheckpointDescription(TypedDict):
+    """`mergeflow inspect`'s JSON line: what a checkpoint is, from its metadata alone (key order as printed)."""
+
+    world_size: int
+    fsdp_version: int | None  # None: the kind does not record it (a DCP)
+    layout: str  # "plain", "FSDP1", "FSDP2", "HSDP", "DCP"
+    tensors: int
+    bytes: int
+    dtypes: dict[str, int]  # dtype -> tensors stored in it
+    lora_adapters: list[str]
+    lora_meta: bool  # lora_train_meta.json is present
+    class_name: str | None  # the checkpoint's own config's _class_name, when it has one
 
 
 @dataclass(frozen=True)
@@ -107,7 +121,7 @@ class CheckpointSource(ABC):
     # --- metadata only: inspect and planning -------------------------------------------------------------
 
     @abstractmethod
-    def describe(self, directory: Path, *, trust_checkpoint: bool = False) -> JsonObject:
+    def describe(self, directory: Path, *, trust_checkpoint: bool = False) -> CheckpointDescription:
         """`mergeflow inspect`: world size, layout, tensors, dtypes, LoRA adapters, class (no tensor data)."""
 
     @abstractmethod
@@ -121,7 +135,7 @@ class CheckpointSource(ABC):
     # --- the manifest and the UI --------------------------------------------------------------------------
 
     @abstractmethod
-    def checkpoint_record(self, checkpoint: CheckpointInputs) -> JsonObject:
+    def checkpoint_record(self, checkpoint: CheckpointInputs) -> CheckpointRecord:
         """The manifest's `checkpoint` object (its field order is part of the manifest's bytes)."""
 
     @abstractmethod

@@ -31,6 +31,7 @@ from mergeflow.formats.verl_checkpoint import LORA_META
 from mergeflow.io.fs import FileStamp
 from mergeflow.io.stamped_cache import StampedCache
 from mergeflow.sources.base import (
+    CheckpointDescription,
     CheckpointSource,
     Indexing,
     ModelConfigSource,
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 
     from mergeflow.config import ModelMergerConfig
     from mergeflow.formats.dcp import DcpCheckpoint, DcpChunks, DcpTensor
-    from mergeflow.io.jsonfiles import JsonObject
+    from mergeflow.formats.manifest import CheckpointRecord
     from mergeflow.records import CheckpointInputs, TensorLayout
 
 # torch (formats.dcp, the records, reconstruct) is imported inside the functions below: the command
@@ -136,7 +137,7 @@ class DcpSource(CheckpointSource):
         checks.preflight_dcp(config, directory)
         return self.listed_files(directory)
 
-    def describe(self, directory: Path, *, trust_checkpoint: bool = False) -> JsonObject:
+    def describe(self, directory: Path, *, trust_checkpoint: bool = False) -> CheckpointDescription:
         """From `.metadata` alone (safe unpickler)."""
         from mergeflow.formats import dcp
         from mergeflow.formats.safetensors_format import nbytes
@@ -174,7 +175,7 @@ class DcpSource(CheckpointSource):
         relative = path.relative_to(base).as_posix()
         return ModelConfigSource(path, BASE_CONFIG_PREFIX + relative, f"{relative} of the base", BaseModelError)
 
-    def checkpoint_record(self, checkpoint: CheckpointInputs) -> JsonObject:
+    def checkpoint_record(self, checkpoint: CheckpointInputs) -> CheckpointRecord:
         return {"layout": "dcp", "world_size": checkpoint.world_size}  # a DCP does not record which FSDP wrote it
 
     def label(self, checkpoint: CheckpointInputs) -> str:

@@ -22,6 +22,7 @@ from mergeflow.formats.verl_checkpoint import (
 )
 from mergeflow.formats.zip_records import sha256_and_check_records
 from mergeflow.sources.base import (
+    CheckpointDescription,
     CheckpointSource,
     Indexing,
     ModelConfigSource,
@@ -31,7 +32,7 @@ from mergeflow.sources.base import (
 
 if TYPE_CHECKING:
     from mergeflow.config import ModelMergerConfig
-    from mergeflow.io.jsonfiles import JsonObject
+    from mergeflow.formats.manifest import CheckpointRecord
     from mergeflow.records import CheckpointInputs, RankIndex
     from mergeflow.sources.verl_ranks import RankStates
 
@@ -66,7 +67,7 @@ class VerlSource(CheckpointSource):
             checks.preflight_with_base(config)
         return rank_files
 
-    def describe(self, directory: Path, *, trust_checkpoint: bool = False) -> JsonObject:
+    def describe(self, directory: Path, *, trust_checkpoint: bool = False) -> CheckpointDescription:
         from mergeflow.architectures.schema import read_model_config
         from mergeflow.export.reconstruct.layout import plan_layouts
         from mergeflow.formats.rank_files import describe_state, load_rank_state
@@ -119,7 +120,7 @@ class VerlSource(CheckpointSource):
         return ModelConfigSource(config_dir / "config.json", VERL_CONFIG_PATH,
                                  "huggingface/config.json of the checkpoint", CheckpointError)
 
-    def checkpoint_record(self, checkpoint: CheckpointInputs) -> JsonObject:
+    def checkpoint_record(self, checkpoint: CheckpointInputs) -> CheckpointRecord:
         return {"world_size": checkpoint.world_size, "fsdp_version": checkpoint.fsdp_version}
 
     def label(self, checkpoint: CheckpointInputs) -> str:

@@ -12,10 +12,10 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, TypedDict
 
 from mergeflow.errors import ArtifactInvalidError
-from mergeflow.formats.manifest import MANIFEST_NAME, check_manifest
+from mergeflow.formats.manifest import MANIFEST_NAME, ManifestDocument, check_manifest
 from mergeflow.io.fs import FileStamp
 from mergeflow.io.jsonfiles import (
     JsonObject,
@@ -48,7 +48,23 @@ class ArtifactSummary:
     artifact_type: str
     files: int
     tensors: int
-    manifest: JsonObject
+    manifest: ManifestDocument
+
+
+class ArtifactCounts(TypedDict):
+    """An ArtifactSummary without its manifest: what the validate-artifact task returns."""
+
+    architecture: str
+    artifact_type: str
+    files: int
+    tensors: int
+
+
+class IntegrityResult(TypedDict):
+    """`mergeflow test`'s JSON line, and the validate flow's result."""
+
+    integrity: Literal["passed"]
+    architecture: str
 
 
 def _tree_sizes(root: Path, folders: set[str] | None = None) -> dict[str, int]:
@@ -193,7 +209,7 @@ def artifact_to_check(test_hf_dir: str | Path) -> Path:
     return root
 
 
-def check_artifact(test_hf_dir: str | Path) -> dict[str, str]:
+def check_artifact(test_hf_dir: str | Path) -> IntegrityResult:
     """`mergeflow test`: every check above on the artifact at test_hf_dir, as the one-line JSON result."""
     summary = validate_artifact_dir(artifact_to_check(test_hf_dir))
     return {"integrity": "passed", "architecture": summary.architecture}

@@ -23,8 +23,8 @@ from mergeflow.export.plan.input_checks import check_output_format, resolve_inpu
 from mergeflow.export.plan.preflight import preflight_merge
 from mergeflow.export.plan.targets import TargetSchema
 from mergeflow.formats.manifest import fingerprint
+from mergeflow.formats.model_config import ModelConfig
 from mergeflow.io.fs import FileStamp
-from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.io.paths import lock_path_for, resolved_path_options, staging_dir_for
 from mergeflow.io.session import sha256_file
 from mergeflow.lora.detect import (
@@ -136,7 +136,7 @@ def _model_export(config: ModelMergerConfig, lora: LoraSpec | None, base: Path, 
                                        files=files, copy_files=schema.copy_files), lora, stamps)
 
 
-def _base_config_if_readable(path: Path) -> JsonObject | None:
+def _base_config_if_readable(path: Path) -> ModelConfig | None:
     """The base component's config, only to name the differing values in a size refusal; the target step reads it for real."""
     try:
         return read_model_config(path, BaseModelError, "config.json of the base")
@@ -144,7 +144,7 @@ def _base_config_if_readable(path: Path) -> JsonObject | None:
         return None
 
 
-def _adapter_export(config: ModelMergerConfig, lora: LoraSpec, base: Path | None, actor_config: JsonObject) -> _Decided:
+def _adapter_export(config: ModelMergerConfig, lora: LoraSpec, base: Path | None, actor_config: ModelConfig) -> _Decided:
     """A LoRA-only save's adapter: the base is checked when present, else only named."""
     schema, base_inputs, spec = adapter_target(config, lora, base, actor_config)
     actor = Path(config.local_dir or "").expanduser().resolve()

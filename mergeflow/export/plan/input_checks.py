@@ -23,8 +23,9 @@ from mergeflow.errors import (
     UsageError,
 )
 from mergeflow.formats.dcp_layout import NO_MODEL_CONFIG
+from mergeflow.formats.model_config import ModelConfig
 from mergeflow.formats.verl_checkpoint import LORA_META, step_of
-from mergeflow.io.jsonfiles import JsonObject, read_json_strict
+from mergeflow.io.jsonfiles import read_json_strict
 from mergeflow.io.paths import check_no_overlap
 from mergeflow.io.session import current_session
 from mergeflow.io.staging import check_target
@@ -156,21 +157,21 @@ def preflight_maybe_adapter(config: ModelMergerConfig, actor: Path) -> None:
         _check_same_diffusers_class(actor_config, base, layout)
 
 
-def _read_config(path: Path, error: type[CheckpointError] | type[BaseModelError], what: str) -> JsonObject:
+def _read_config(path: Path, error: type[CheckpointError] | type[BaseModelError], what: str) -> ModelConfig:
     data = read_json_strict(path, error, what)
     if not isinstance(data, dict):
         raise error(f"{what} must be a JSON object")
     return data
 
 
-def _checkpoint_class(actor_config: JsonObject) -> str:
+def _checkpoint_class(actor_config: ModelConfig) -> str:
     name = actor_config.get("_class_name")
     if not isinstance(name, str):
         raise CheckpointError("huggingface/config.json of the checkpoint has no _class_name")
     return name
 
 
-def _check_same_diffusers_class(actor_config: JsonObject, base: Path, layout: BaseLayout) -> None:
+def _check_same_diffusers_class(actor_config: ModelConfig, base: Path, layout: BaseLayout) -> None:
     """The checks of the flow's Diffusers schema step that need only the two configs."""
     path = layout.transformer_dir / "config.json"
     base_config = _read_config(path, BaseModelError, f"{path.relative_to(base)} of the base")
