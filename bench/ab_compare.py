@@ -5,7 +5,9 @@
 SITE_A and SITE_B are `pip install --no-deps --target DIR` installs of two commits (an editable
 install would fill in whatever a site lacks from the checkout). Runs alternate A, B, A, B... from an
 empty working directory against one Prefect server, so machine noise hits both alike; medians and
-the B/A ratio are printed. For "is the refactor slower?", not for absolute speed (merge_bench.py).
+the B/A ratio are printed, with the machine's floor (read + sha256 + write + fsync of the same rank
+bytes, bench/measure.py) measured in the same rounds and each side's ratio to it. For "is the refactor
+slower?", not for absolute speed (merge_bench.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 from pathlib import Path
 
 from checkpoints import PRESETS, build_checkpoint
+from measure import floor_seconds
 from server import prefect_api
 
 
@@ -48,15 +51,21 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="ab-"))
     try:
         actor, base = build_checkpoint(root, PRESETS[args.preset])
+        rank_files = sorted(actor.glob("*.pt"))
         times: dict[str, list[float]] = {args.site_a: [], args.site_b: []}
+        floors: list[float] = []
         with prefect_api() as env:
             _run(args.site_a, actor, base, root / "warm", args.dtype, env)  # schema caches, page cache
             for i in range(args.repeats):
+                floors.append(floor_seconds(rank_files, root / "floor.bin"))
+                print(f"  floor: {floors[-1]:.2f} s", flush=True)
                 for site in (args.site_a, args.site_b):
                     times[site].append(_run(site, actor, base, root / f"out-{i}", args.dtype, env))
                     print(f"  {Path(site).name}: {times[site][-1]:.2f} s", flush=True)
         a, b = (statistics.median(times[s]) for s in (args.site_a, args.site_b))
-        print(f"{args.preset} --dtype {args.dtype}: A {a:.2f} s, B {b:.2f} s (medians of {args.repeats}); B/A {b / a:.3f}")
+        floor = statistics.median(floors)
+        print(f"{args.preset} --dtype {args.dtype}: A {a:.2f} s, B {b:.2f} s, floor {floor:.2f} s (medians of {args.repeats}); "
+              f"B/A {b / a:.3f}; A/floor {a / floor:.2f}, B/floor {b / floor:.2f}")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
