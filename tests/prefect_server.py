@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -55,6 +56,7 @@ class PrefectServer:
         # Prefect reads the environment once at import; a settings context is the
         # supported way to change PREFECT_API_URL inside a running process.
         from prefect.settings import (
+            PREFECT_API_SSL_CERT_FILE,
             PREFECT_API_URL,
             PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
             temporary_settings,
@@ -63,7 +65,8 @@ class PrefectServer:
         # No flow-run heartbeats in-process: the engine joins its heartbeat thread at the end of
         # every run, which is half of a tiny flow's 1.1 s here. Nothing in-process tests them; the
         # CLI subprocesses run with Prefect's default (a heartbeat every 180 s), as users do.
-        with temporary_settings(updates={PREFECT_API_URL: self.api_url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        with temporary_settings(updates={PREFECT_API_URL: self.api_url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None,
+                                         PREFECT_API_SSL_CERT_FILE: str(_one_certificate())}):
             yield
 
     def log_tail(self, chars: int = 4000) -> str:
@@ -72,6 +75,28 @@ class PrefectServer:
             return self.log_path.read_text(errors="replace")[-chars:]
         except OSError:
             return ""
+
+
+@functools.cache
+def _one_certificate() -> Path:
+    """A CA file of one certificate (the first of certifi's bundle), for PREFECT_API_SSL_CERT_FILE.
+
+    Every Prefect client loads its CA file into an SSL context when it is created, one client per
+    in-process flow run: certifi's ~140 certificates took 50-100 ms each time on the loaded
+    two-core machine, one certificate 1 ms. The server is plain HTTP on 127.0.0.1, so no
+    certificate is ever checked.
+    """
+    import certifi
+
+    bundle = Path(certifi.where()).read_text()
+    end = "-----END CERTIFICATE-----"
+    first = bundle[bundle.index("-----BEGIN CERTIFICATE-----"):bundle.index(end) + len(end)] + "\n"
+    path = Path(tempfile.gettempdir()) / "mergeflow-tests-one-ca.pem"
+    if not path.is_file() or path.read_text() != first:
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        partial.write_text(first)
+        os.replace(partial, path)  # atomically: the other xdist worker may read it now
+    return path
 
 
 def _without_prefect_vars(env: dict[str, str]) -> dict[str, str]:
