@@ -3,7 +3,7 @@
     python bench/ab_compare.py SITE_A SITE_B [--preset real-depth] [--repeats 3]
 
 SITE_A and SITE_B are `pip install --no-deps --target DIR` installs of two commits (an editable
-install would fill in whatever a site lacks from the checkout). Runs alternate A, B, A, B... from an
+install would fill in whatever a site lacks from the checkout). Runs alternate A, B, B, A, A, B... from an
 empty working directory against one Prefect server, so machine noise hits both alike; medians and
 the B/A ratio are printed, with the machine's floor (read + sha256 + write + fsync of the same rank
 bytes, bench/measure.py) measured in the same rounds and each side's ratio to it. For "is the refactor
@@ -59,7 +59,8 @@ def main() -> None:
             for i in range(args.repeats):
                 floors.append(floor_seconds(rank_files, root / "floor.bin"))
                 print(f"  floor: {floors[-1]:.2f} s", flush=True)
-                for site in (args.site_a, args.site_b):
+                # A then B, then B then A: neither side always runs right after the other's writeback.
+                for site in (args.site_a, args.site_b) if i % 2 == 0 else (args.site_b, args.site_a):
                     times[site].append(_run(site, actor, base, root / f"out-{i}", args.dtype, env))
                     print(f"  {Path(site).name}: {times[site][-1]:.2f} s", flush=True)
         a, b = (statistics.median(times[s]) for s in (args.site_a, args.site_b))
