@@ -5,8 +5,9 @@
 SITE_A and SITE_B are `pip install --no-deps --target DIR` installs of two commits (an editable
 install would fill in whatever a site lacks from the checkout). Runs alternate A, B, B, A, A, B... from an
 empty working directory against one Prefect server, so machine noise hits both alike; medians and
-the B/A ratio are printed, with the machine's floor (read + sha256 + write + fsync of the same rank
-bytes, bench/measure.py) measured in the same rounds and each side's ratio to it. For "is the refactor
+the B/A ratio are printed, with the machine's floors measured in the same rounds (read + sha256 + write
+of the same rank bytes, bench/measure.py: in the page cache, and durable with an fsync) and each side's
+ratio to the durable one. For "is the refactor
 slower?", not for absolute speed (merge_bench.py).
 """
 
@@ -54,19 +55,22 @@ def main() -> None:
         rank_files = sorted(actor.glob("*.pt"))
         times: dict[str, list[float]] = {args.site_a: [], args.site_b: []}
         floors: list[float] = []
+        cache_floors: list[float] = []
         with prefect_api() as env:
             _run(args.site_a, actor, base, root / "warm", args.dtype, env)  # schema caches, page cache
             for i in range(args.repeats):
+                cache_floors.append(floor_seconds(rank_files, root / "floor.bin", durable=False))
                 floors.append(floor_seconds(rank_files, root / "floor.bin"))
-                print(f"  floor: {floors[-1]:.2f} s", flush=True)
+                print(f"  floor: page cache {cache_floors[-1]:.2f} s, durable {floors[-1]:.2f} s", flush=True)
                 # A then B, then B then A: neither side always runs right after the other's writeback.
                 for site in (args.site_a, args.site_b) if i % 2 == 0 else (args.site_b, args.site_a):
                     times[site].append(_run(site, actor, base, root / f"out-{i}", args.dtype, env))
                     print(f"  {Path(site).name}: {times[site][-1]:.2f} s", flush=True)
         a, b = (statistics.median(times[s]) for s in (args.site_a, args.site_b))
-        floor = statistics.median(floors)
-        print(f"{args.preset} --dtype {args.dtype}: A {a:.2f} s, B {b:.2f} s, floor {floor:.2f} s (medians of {args.repeats}); "
-              f"B/A {b / a:.3f}; A/floor {a / floor:.2f}, B/floor {b / floor:.2f}")
+        floor, cache_floor = statistics.median(floors), statistics.median(cache_floors)
+        print(f"{args.preset} --dtype {args.dtype}: A {a:.2f} s, B {b:.2f} s, floor {floor:.2f} s durable, "
+              f"{cache_floor:.2f} s page cache (medians of {args.repeats}); B/A {b / a:.3f}; "
+              f"A/floor {a / floor:.2f}, B/floor {b / floor:.2f} (durable)")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

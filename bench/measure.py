@@ -10,8 +10,10 @@ from pathlib import Path
 BLOCK = 16 * 1024 * 1024
 
 
-def floor_seconds(files: list[Path], out: Path, *, early_writeback: bool = False) -> float:
+def floor_seconds(files: list[Path], out: Path, *, early_writeback: bool = False, durable: bool = True) -> float:
     """The machine's floor: read + sha256 + write of the same bytes in one pass, fsync at the end.
+
+    durable=False: no fsync, the page-cache floor (what a write costs before the disk is involved).
 
     early_writeback: also start writeback every 64 MB (sync_file_range, as mergeflow's writer
     does), so the floor is not held back by a gigabyte of dirty pages waiting for the fsync.
@@ -33,7 +35,8 @@ def floor_seconds(files: list[Path], out: Path, *, early_writeback: bool = False
                     if early_writeback and written - flushed >= 64 * 1024 * 1024:
                         start_writeback(dst.fileno(), flushed, written - flushed)
                         flushed = written
-        os.fsync(dst.fileno())
+        if durable:
+            os.fsync(dst.fileno())
     elapsed = time.perf_counter() - start
     out.unlink()
     return elapsed
