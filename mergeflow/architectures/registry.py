@@ -10,6 +10,7 @@ from pathlib import Path
 
 from mergeflow.architectures.adapters import DIFFUSERS, REMOTE_CODE, ArchitectureAdapter
 from mergeflow.architectures.minimax_h3 import MINIMAX_H3_NATIVE
+from mergeflow.architectures.original_layout import ORIGINAL_LAYOUT
 from mergeflow.errors import BaseModelError
 from mergeflow.formats.model_config import PipelineIndex
 from mergeflow.io.jsonfiles import read_json_strict
@@ -207,7 +208,7 @@ def base_layout(base_dir: Path, component: str = "transformer") -> BaseLayout:
 
     return current_session().once("base-layout", f"{base_dir}\0{component}", lambda: detect_base(base_dir, component))
 
-ADAPTERS: dict[str, ArchitectureAdapter] = {a.name: a for a in (DIFFUSERS, REMOTE_CODE, MINIMAX_H3_NATIVE)}
+ADAPTERS: dict[str, ArchitectureAdapter] = {a.name: a for a in (DIFFUSERS, REMOTE_CODE, MINIMAX_H3_NATIVE, ORIGINAL_LAYOUT)}
 
 
 def adapter_of(layout: BaseLayout) -> ArchitectureAdapter:

@@ -1,0 +1,252 @@
+"""The original single-file layouts: Diffusers tensor names -> the model authors' own keys.
+
+`--output_format single_file` writes the trained transformer as one safetensors file in the
+layout its authors published (BFL's Flux, Stability's MMDiT, Wan-AI's, Lightricks'...), which is
+what ComfyUI and Diffusers' `from_single_file` read. Each architecture's key map lives beside the
+architecture (`mergeflow/architectures/<name>.py`, an `OriginalLayout`); this module holds what
+they share: the few tensor ops an original layout needs, the checks that a map covers the
+Diffusers schema exactly, and the conversion adapter the writer runs.
+
+An original layout is the exact inverse of Diffusers' `convert_*_to_diffusers`: every Diffusers
+tensor lands in exactly one original tensor, whole (`rename`) or as a row block of a fused one
+(`cat`), or with its two row halves exchanged (`swap_halves`: the final norm's shift/scale). The
+ops only move bytes, so the file is bit-exact to the Diffusers export by construction, and each
+row block of a fused tensor is re-verified against its source tensor when written.
+
+Module imports stay light (no torch): the pre-flight and `test` import the registry.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from mergeflow.architectures.adapters import AdapterParams, ArchitectureAdapter
+from mergeflow.errors import SchemaMismatchError
+
+if TYPE_CHECKING:
+    import torch
+
+    from mergeflow.records import ArchitectureOp, TensorLayout, TensorSource, TensorWrite
+
+Shape = tuple[int, ...]
+Op = Literal["rename", "cat", "swap_halves"]
+OPS: tuple[str, ...] = ("rename", "cat", "swap_halves")
+
+
+@dataclass(frozen=True)
+class OriginalTensor:
+    """One tensor of the original file: its key, the Diffusers tensors it is made of, and how."""
+
+    name: str
+    sources: tuple[str, ...]  # Diffusers keys, in the order the op takes them (row order for `cat`)
+    op: Op = "rename"
+
+
+@dataclass(frozen=True)
+class OriginalLayout:
+    """One architecture's original single-file layout.
+
+    `params(config)` picks, from the transformer's full config (defaults filled in), the few
+    values the map needs beyond the tensor shapes (recorded in the manifest; most maps need none).
+    `plan(shapes, params)` maps the Diffusers schema (tensor -> shape) to the original file's
+    tensors. `architecture(config)` is the ModelSpec `modelspec.architecture` value, and
+    `resolution(config)` its native resolution where it has one (else None).
+    """
+
+    name: str  # recorded in the manifest: never renamed
+    transformer_classes: tuple[str, ...]
+    plan: Callable[[Mapping[str, Shape], Mapping[str, Any]], list[OriginalTensor]]
+    architecture: Callable[[Mapping[str, Any]], str]
+    implementation: str  # ModelSpec `modelspec.implementation`: where the reference code lives
+    params: Callable[[Mapping[str, Any]], AdapterParams] = lambda config: {}
+    resolution: Callable[[Mapping[str, Any]], str | None] = lambda config: None
+    # Extra keyword arguments `from_single_file` needs to read this layout back (e.g. H3's qkv layout).
+    loader_kwargs: Callable[[Mapping[str, Any]], dict[str, Any]] = lambda config: {}
+
+
+# Transformer class -> the module (under mergeflow.architectures) whose ORIGINAL is its layout.
+# Imported on use: each module stays light, but there is no reason to load all of them.
+_LAYOUT_MODULES: dict[str, str] = {
+    "FluxTransformer2DModel": "flux",
+    "SD3Transformer2DModel": "sd3",
+    "WanTransformer3DModel": "wan",
+    "LTX2VideoTransformer3DModel": "ltx2",
+    "QwenImageTransformer2DModel": "qwen_image",
+    "MiniMaxH3Transformer3DModel": "minimax_h3_single_file",
+}
+# Classes with no single-file loader anywhere: the refusal says why.
+NO_SINGLE_FILE: dict[str, str] = {
+    "BooguImageTransformer2DModel": "Boogu-Image has no single-file loader (neither Diffusers' from_single_file nor "
+                                    "ComfyUI reads one); export --output_format pipeline or transformer",
+}
+
+
+def layout_for(transformer_class: str) -> OriginalLayout:
+    """The original layout of a transformer class, or a refusal naming the classes that have one."""
+    if transformer_class in NO_SINGLE_FILE:
+        raise SchemaMismatchError(NO_SINGLE_FILE[transformer_class])
+    module = _LAYOUT_MODULES.get(transformer_class)
+    if module is None:
+        raise SchemaMismatchError(f"--output_format single_file has no original layout for {transformer_class}; "
+                                  f"it knows {', '.join(sorted(_LAYOUT_MODULES))}")
+    layout: OriginalLayout = importlib.import_module(f"mergeflow.architectures.{module}").ORIGINAL
+    return layout
+
+
+def layout_named(name: str) -> OriginalLayout:
+    """The layout a plan or manifest recorded by name."""
+    for cls in _LAYOUT_MODULES:
+        layout = layout_for(cls)
+        if layout.name == name:
+            return layout
+    raise SchemaMismatchError(f"unknown original layout {name!r}")
+
+
+def output_shape(tensor: OriginalTensor, shapes: Mapping[str, Shape]) -> Shape:
+    """The shape of one original tensor from its sources' shapes (checked: they must fit the op)."""
+    parts = [tuple(shapes[s]) for s in tensor.sources]
+    if tensor.op == "cat":
+        if len({p[1:] for p in parts}) != 1:
+            raise SchemaMismatchError(f"{tensor.name}: {', '.join(tensor.sources)} differ past dim 0 and cannot be fused")
+        return (sum(p[0] for p in parts), *parts[0][1:])
+    if len(parts) != 1:
+        raise SchemaMismatchError(f"{tensor.name}: a {tensor.op} takes one tensor, not {len(parts)}")
+    if tensor.op == "swap_halves" and (not parts[0] or parts[0][0] % 2):
+        raise SchemaMismatchError(f"{tensor.sources[0]} has no even row count: its halves cannot be exchanged")
+    return parts[0]
+
+
+def checked_plan(layout: OriginalLayout, shapes: Mapping[str, Shape], params: Mapping[str, Any]) -> list[OriginalTensor]:
+    """The layout's plan, proven to use every Diffusers tensor exactly once and to name each key once."""
+    plan = layout.plan(shapes, params)
+    used: dict[str, str] = {}
+    names: set[str] = set()
+    for tensor in plan:
+        if tensor.name in names:
+            raise SchemaMismatchError(f"the {layout.name} layout names {tensor.name} twice")
+        names.add(tensor.name)
+        if tensor.op not in OPS:
+            raise SchemaMismatchError(f"{tensor.name}: unknown op {tensor.op!r}")
+        for source in tensor.sources:
+            if source not in shapes:
+                raise SchemaMismatchError(f"the {layout.name} layout needs {source}, which the checkpoint lacks")
+            if source in used:
+                raise SchemaMismatchError(f"{source} would be written twice ({used[source]} and {tensor.name})")
+            used[source] = tensor.name
+        output_shape(tensor, shapes)
+    left = sorted(set(shapes) - set(used))
+    if left:
+        raise SchemaMismatchError(f"the {layout.name} original layout has no place for {len(left)} tensor(s) of the "
+                                  f"checkpoint, e.g. {', '.join(left[:3])}: its config does not match the architecture's map")
+    return plan
+
+
+def original_shapes(layout: OriginalLayout, shapes: Mapping[str, Shape], params: Mapping[str, Any]) -> dict[str, Shape]:
+    """The original file's exact tensor set (name -> shape)."""
+    return {t.name: output_shape(t, shapes) for t in checked_plan(layout, shapes, params)}
+
+
+def key_map(layout: OriginalLayout, shapes: Mapping[str, Shape], params: Mapping[str, Any]) -> dict[str, list[list[Any]]]:
+    """For the manifest: file key -> [[Diffusers key, first row, end row, swapped halves], ...].
+
+    Rows are dim 0 of the file's tensor; `swapped` says the source's halves are exchanged there.
+    """
+    out: dict[str, list[list[Any]]] = {}
+    for tensor in checked_plan(layout, shapes, params):
+        row = 0
+        entries: list[list[Any]] = []
+        for source in tensor.sources:
+            rows = tuple(shapes[source])[0] if shapes[source] else 1
+            entries.append([source, row, row + rows, tensor.op == "swap_halves"])
+            row += rows
+        out[tensor.name] = entries
+    return dict(sorted(out.items()))
+
+
+def apply(op: str, inputs: list[torch.Tensor]) -> torch.Tensor:
+    """The original tensor from its whole source tensors: bytes moved, never changed."""
+    import torch
+
+    if op == "cat":
+        return torch.cat(inputs, dim=0)
+    if op == "swap_halves":
+        first, second = inputs[0].chunk(2, dim=0)
+        return torch.cat([second, first], dim=0)
+    if op == "rename":
+        return inputs[0]
+    raise SchemaMismatchError(f"unknown original-layout op {op!r}")
+
+
+def to_original_state_dict(layout: OriginalLayout, state: Mapping[str, torch.Tensor],
+                           config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """An in-memory Diffusers state dict in the original layout (tests and tools; exports stream instead)."""
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
+    return {t.name: apply(t.op, [state[s] for s in t.sources]).contiguous()
+            for t in checked_plan(layout, shapes, layout.params(config))}
+
+
+# --- the writer's side: a conversion adapter ---------------------------------------------------
+
+LAYOUT_PARAM = "original_layout"  # the conversion parameter naming the layout
+
+
+def _virtual(name: str, dtype: str, shape: Shape) -> TensorLayout:
+    from mergeflow.records import TensorLayout
+
+    # A transformed write's `layout` describes its output; its inputs travel in the transform spec.
+    return TensorLayout(name, dtype, shape, None, (), ())
+
+
+def _source(write: TensorWrite) -> TensorSource:
+    # A tensor of the checkpoint, or a computed write's result (a fused LoRA weight): LoRA is
+    # fused before the layout changes, as for MiniMax H3's native conversion.
+    from mergeflow.records import CheckpointSource, ComputedSource
+
+    return CheckpointSource(write.layout) if write.transform is None else ComputedSource(write)
+
+
+def plan_original_writes(writes: list[TensorWrite], layout: OriginalLayout, params: Mapping[str, Any]) -> list[TensorWrite]:
+    """The original file's writes from the checkpoint's (Diffusers-named) ones."""
+    from mergeflow.records import ArchitectureOp, TensorWrite
+
+    by_name = {w.name: w for w in writes}
+    shapes = {w.name: tuple(w.layout.shape) for w in writes}
+    out: list[TensorWrite] = []
+    for tensor in checked_plan(layout, shapes, params):
+        parts = [by_name[s] for s in tensor.sources]
+        first = parts[0]
+        if tensor.op == "rename":
+            out.append(TensorWrite(tensor.name, first.source_key, first.layout, first.out_dtype, first.transform))
+            continue
+        if len({p.out_dtype for p in parts}) != 1:
+            raise SchemaMismatchError(f"{', '.join(tensor.sources)} would be written in different dtypes; "
+                                      f"they cannot be fused into {tensor.name}")
+        spec = ArchitectureOp(tensor.op, tuple(_source(p) for p in parts), {})
+        shape = output_shape(tensor, shapes)
+        out.append(TensorWrite(tensor.name, first.source_key, _virtual(tensor.name, first.out_dtype, shape),
+                               first.out_dtype, spec))
+    return out
+
+
+class OriginalLayoutConversion(ArchitectureAdapter):
+    """The conversion `--output_format single_file` plans: Diffusers names -> an original layout.
+
+    Selected by the output, never by a base (it has no native classes); its parameters name the
+    layout (`original_layout`) beside the layout's own `params(config)`.
+    """
+
+    name: ClassVar[str] = "original_layout"
+    instantiates_model: ClassVar[bool] = True
+    ops: ClassVar[tuple[str, ...]] = ("cat", "swap_halves")
+
+    def convert_writes(self, writes: list[TensorWrite], params: Mapping[str, Any]) -> list[TensorWrite]:
+        return plan_original_writes(writes, layout_named(str(params[LAYOUT_PARAM])), params)
+
+    def apply_op(self, spec: ArchitectureOp, inputs: list[torch.Tensor]) -> torch.Tensor:
+        return apply(spec.op, inputs)
+
+
+ORIGINAL_LAYOUT = OriginalLayoutConversion()
