@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mergeflow.formats.verl_checkpoint import step_of
+from mergeflow.formats.verl_checkpoint import verl_run_step
 from mergeflow.io.staging import is_staging_dir, target_of
 
 # Artifact keys are at most 100 characters; the run part is cut, never the step that tells runs apart.
@@ -21,14 +21,6 @@ def slug(text: str) -> str:
     """Lowercase letters, digits and single dashes only (what Prefect artifact keys accept)."""
     cleaned = "".join(c if c.isascii() and c.isalnum() else "-" for c in text.lower())
     return "-".join(part for part in cleaned.split("-") if part)
-
-
-def verl_run_step(path: Path) -> tuple[str, int] | None:
-    """(run, N) for a path laid out as verl saves it: `<run>/global_step_N` or `<run>/global_step_N/actor`."""
-    step_dir = path.parent if path.name == "actor" else path
-    step = step_of(step_dir.name)
-    run = step_dir.parent.name
-    return (run, step) if step is not None and run else None
 
 
 def export_label(target: str | Path | None, local_dir: str | Path | None = None) -> str:

@@ -104,6 +104,15 @@ class OutputTarget:
     expected_shapes: dict[str, tuple[int, ...]]
     keep_fp32: tuple[str, ...]
     kind: str  # the output that writes it (mergeflow.outputs.registry): its writer, mapping and checks
+    # The base component's weights, when the artifact names its own differently (an original single file).
+    base_weights: str | None = None
+    # The safetensors header metadata of every weight file, when the output plans its own (None: {"format": "pt"}).
+    header_metadata: dict[str, str] | None = None
+
+    @property
+    def base_weights_name(self) -> str:
+        """The weights name of the base's trained component (the artifact's unless it renames them)."""
+        return self.base_weights or self.weights_name
 
     @property
     def artifact_dir(self) -> str:

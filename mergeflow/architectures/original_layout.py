@@ -67,8 +67,8 @@ class OriginalLayout:
     loader_kwargs: Callable[[Mapping[str, Any]], dict[str, Any]] = lambda config: {}
 
 
-# Transformer class -> the module (under mergeflow.architectures) whose ORIGINAL is its layout.
-# Imported on use: each module stays light, but there is no reason to load all of them.
+# Transformer class -> the module (under mergeflow.architectures) whose ORIGINAL is its layout;
+# imported on use.
 _LAYOUT_MODULES: dict[str, str] = {
     "FluxTransformer2DModel": "flux",
     "SD3Transformer2DModel": "sd3",
@@ -77,6 +77,8 @@ _LAYOUT_MODULES: dict[str, str] = {
     "QwenImageTransformer2DModel": "qwen_image",
     "MiniMaxH3Transformer3DModel": "minimax_h3_single_file",
 }
+# A layout's recorded name is its module's, except where the module shares its architecture's name with another.
+_RENAMED: dict[str, str] = {"minimax_h3": "minimax_h3_single_file"}
 # Classes with no single-file loader anywhere: the refusal says why.
 NO_SINGLE_FILE: dict[str, str] = {
     "BooguImageTransformer2DModel": "Boogu-Image has no single-file loader (neither Diffusers' from_single_file nor "
@@ -97,12 +99,14 @@ def layout_for(transformer_class: str) -> OriginalLayout:
 
 
 def layout_named(name: str) -> OriginalLayout:
-    """The layout a plan or manifest recorded by name."""
-    for cls in _LAYOUT_MODULES:
-        layout = layout_for(cls)
-        if layout.name == name:
-            return layout
-    raise SchemaMismatchError(f"unknown original layout {name!r}")
+    """The layout a plan or manifest recorded by name (its module's name unless _RENAMED says otherwise)."""
+    module = _RENAMED.get(name, name)
+    if module not in _LAYOUT_MODULES.values():
+        raise SchemaMismatchError(f"unknown original layout {name!r}")
+    layout: OriginalLayout = importlib.import_module(f"mergeflow.architectures.{module}").ORIGINAL
+    if layout.name != name:
+        raise SchemaMismatchError(f"mergeflow.architectures.{module} names its layout {layout.name!r}")
+    return layout
 
 
 def output_shape(tensor: OriginalTensor, shapes: Mapping[str, Shape]) -> Shape:

@@ -32,6 +32,7 @@ from mergeflow.records import (
     ValidationReport,
 )
 from mergeflow.sources.registry import source_named
+from mergeflow.outputs.registry import output_of
 
 LAYERS_PASSED = {"structure": "passed", "source_round_trip": "passed", "artifact_round_trip": "passed",
                  "integrity": "passed", "runtime": "not_run"}
@@ -103,6 +104,7 @@ def build_manifest(
         checkpoint=source_named(plan.checkpoint.format).checkpoint_record(plan.checkpoint),
         lora_fusion=lora_fusion,
         unchanged_check=unchanged,
+        original_layout=output_of(plan).manifest_layout_record(plan),
     )
 
 

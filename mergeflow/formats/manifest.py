@@ -122,6 +122,7 @@ class ManifestDocument(TypedDict):
     lora_fusion: NotRequired[dict[str, Any]]  # LoraFusion.to_json
     lora_adapter: NotRequired[LoraAdapterJson]
     unchanged_check: NotRequired[dict[str, int]]  # UnchangedMeasurement's counts
+    original_layout: NotRequired[dict[str, Any]]  # a single file's key map (mergeflow/outputs/single_file.py)
 
 
 # The records of a manifest. A merge builds one `Manifest` and serializes it once (`to_json`, at the
@@ -241,6 +242,8 @@ class Manifest:
     lora_fusion: LoraFusion | None = None
     lora_adapter: LoraAdapterRecord | None = None
     unchanged_check: UnchangedMeasurement | None = None  # only when the guard compared every tensor
+    # An original single-file layout: {layout, params, key_map: file key -> [[source, first row, end row, swapped]]}.
+    original_layout: Mapping[str, Any] | None = None
     schema_version: int = SCHEMA_VERSION
     backend: str = "fsdp"
 
@@ -286,6 +289,8 @@ class Manifest:
         if self.unchanged_check is not None:
             data[UNCHANGED_CHECK] = {"compared_tensors": self.unchanged_check.compared_tensors,
                                      "differing_tensors": self.unchanged_check.differing_tensors}
+        if self.original_layout is not None:
+            data["original_layout"] = dict(self.original_layout)
         return data
 
 

@@ -89,6 +89,14 @@ def step_of(dir_name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def verl_run_step(path: Path) -> tuple[str, int] | None:
+    """(run, N) for a path laid out as verl saves it: `<run>/global_step_N` or `<run>/global_step_N/actor`."""
+    step_dir = path.parent if path.name == "actor" else path
+    step = step_of(step_dir.name)
+    run = step_dir.parent.name
+    return (run, step) if step is not None and run else None
+
+
 def rank_file_name(world_size: int, rank: int) -> str:
     return f"model_world_size_{world_size}_rank_{rank}.pt"
 

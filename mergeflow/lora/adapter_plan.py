@@ -111,7 +111,7 @@ def lora_tensor_writes(plan: MergePlan, lora: LoraPlan, layouts: dict[str, Tenso
         return writes
     # LoRA-only fusion: every frozen weight comes from the local base's safetensors files.
     component = Path(plan.base.component_dir)
-    headers = read_weight_headers(component, plan.output.weights_name, BaseModelError, "the base")
+    headers = read_weight_headers(component, plan.output.base_weights_name, BaseModelError, "the base")
     unknown = sorted(set(transforms) - set(headers))
     if unknown:  # never a silent copy of an unfused weight
         raise LoraError(f"the base model has no tensor {unknown[0]} to fuse the adapter into")

@@ -13,7 +13,7 @@ import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 from mergeflow.errors import UsageError
 from mergeflow.formats.manifest import ManifestDocument
@@ -106,6 +106,10 @@ class ArtifactOutput(ABC):
     def maps_tensors(self) -> bool:
         """False when `map_tensor` is the identity, so the writes are passed on untouched."""
         return type(self).map_tensor is not ArtifactOutput.map_tensor
+
+    def manifest_layout_record(self, plan: MergePlan) -> dict[str, Any] | None:
+        """The manifest's `original_layout` record, for an output that renames and fuses tensors (default: none)."""
+        return None
 
     # -- what `test` checks --------------------------------------------------------------------
     def claims(self, manifest: ManifestDocument) -> bool:

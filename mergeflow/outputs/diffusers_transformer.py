@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from mergeflow.architectures.registry import BaseLayout
+    from mergeflow.architectures.schema import ModelSchema
     from mergeflow.config import ModelMergerConfig
     from mergeflow.export.plan.targets import TargetSchema
     from mergeflow.formats.manifest import TensorInfo
@@ -39,6 +40,11 @@ class DiffusersTransformer(ModelOutput):
     weights_name: ClassVar[str] = WEIGHTS_NAME  # the artifact's weights (the base's are always Diffusers')
 
     def target(self, config: ModelMergerConfig, base: Path, layout: BaseLayout, actor_config: ModelConfig) -> TargetSchema:
+        return self.target_and_schema(config, base, layout, actor_config)[0]
+
+    def target_and_schema(self, config: ModelMergerConfig, base: Path, layout: BaseLayout,
+                          actor_config: ModelConfig) -> tuple[TargetSchema, ModelSchema]:
+        """The target, and the Diffusers schema it was planned from (outputs built on this one read its fields)."""
         from mergeflow.architectures.adapters import (
             check_base_headers,
             diffusers_schema,
@@ -65,7 +71,7 @@ class DiffusersTransformer(ModelOutput):
             tensor_directory=".", artifact_type=self.artifact_types[0], weights_name=self.weights_name,
             expected_shapes=schema.tensors, keep_fp32=schema.keep_fp32, base_files={rel: sha256_file(config_path)},
             base_stamps={str(config_path): FileStamp.of(config_path)}, output=self.name,
-        )
+        ), schema
 
     def check_configs(self, root: Path, manifest: ManifestDocument) -> None:
         check_root_class(root, manifest)

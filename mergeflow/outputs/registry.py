@@ -19,12 +19,13 @@ from mergeflow.outputs.diffusers_pipeline import DiffusersPipeline
 from mergeflow.outputs.diffusers_transformer import DiffusersTransformer
 from mergeflow.outputs.lora_adapter import AdapterOutput
 from mergeflow.outputs.peft_adapter import PeftAdapter
+from mergeflow.outputs.single_file import SingleFile
 
 if TYPE_CHECKING:
     from mergeflow.records import MergePlan, OutputPlan, TensorWrite
 
 # Order matters only for listings: the first output_format row is the --output_format default's.
-_BUILTIN: tuple[ArtifactOutput, ...] = (DiffusersPipeline(), DiffusersTransformer(), PeftAdapter(), DiffusersLora())
+_BUILTIN: tuple[ArtifactOutput, ...] = (DiffusersPipeline(), DiffusersTransformer(), SingleFile(), PeftAdapter(), DiffusersLora())
 _OUTPUTS: dict[str, ArtifactOutput] = {}
 
 
@@ -122,8 +123,16 @@ def output_writes(plan: MergePlan, writes: list[TensorWrite]) -> list[TensorWrit
 
 
 def pack_output(plan: MergePlan, writes: list[TensorWrite]) -> OutputPlan:
-    """The artifact's weight files, as the output's writer groups them."""
-    return output_of(plan).writer.pack(writes, plan.options.max_shard_size, plan.output.weights_name, plan.fingerprint)
+    """The artifact's weight files, as the output's writer groups them, with the header metadata it planned."""
+    packed = output_of(plan).writer.pack(writes, plan.options.max_shard_size, plan.output.weights_name, plan.fingerprint)
+    metadata = plan.output.header_metadata
+    if metadata is None:
+        return packed
+    from mergeflow.formats.manifest import fingerprint
+
+    # The metadata is part of the file's bytes: a staged file reused on resume must have been written with it.
+    return replace(packed, shards=tuple(replace(shard, metadata=dict(metadata), fingerprint=fingerprint([shard.fingerprint, metadata]))
+                                        for shard in packed.shards))
 
 
 def plan_output(plan: MergePlan, writes: list[TensorWrite]) -> OutputPlan:

@@ -108,7 +108,8 @@ def build_plan(config: ModelMergerConfig) -> MergePlan:
                             artifact_type=schema.artifact_type, architecture=schema.architecture,
                             transformer_class=schema.transformer_class, component=config.component,
                             tensor_directory=schema.tensor_directory, weights_name=schema.weights_name,
-                            expected_shapes=schema.expected_shapes, keep_fp32=schema.keep_fp32, kind=schema.output),
+                            expected_shapes=schema.expected_shapes, keep_fp32=schema.keep_fp32, kind=schema.output,
+                            base_weights=schema.base_weights, header_metadata=schema.header_metadata),
         input_stamps=stamps,
         fingerprint=fp,
         lora=decided.lora,
@@ -128,7 +129,7 @@ def _model_export(config: ModelMergerConfig, lora: LoraSpec | None, base: Path, 
     stamps = dict(schema.base_stamps)
     files = dict(schema.base_files)
     if lora is not None:
-        lora_inputs = finish_lora_spec(lora, config, base, layout, schema.component_dir, schema.weights_name)
+        lora_inputs = finish_lora_spec(lora, config, base, layout, schema.component_dir, schema.base_weights_name)
         stamps.update(lora_inputs.stamps)
         files.update(lora_inputs.base_files)
         lora = lora_inputs.spec

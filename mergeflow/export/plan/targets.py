@@ -34,6 +34,12 @@ class TargetSchema:
     output: str  # the registry name of the output (mergeflow.outputs.registry)
     copy_files: tuple[str, ...] = ()
     conversion: Conversion = field(default_factory=Conversion)
+    base_weights: str | None = None  # the base's weights name, when the artifact's differs (OutputTarget.base_weights)
+    header_metadata: dict[str, str] | None = None  # the weight files' header metadata (OutputTarget.header_metadata)
+
+    @property
+    def base_weights_name(self) -> str:
+        return self.base_weights or self.weights_name
 
 
 def hash_base_files(base: Path, files: tuple[str, ...], workers: int) -> dict[str, str]:

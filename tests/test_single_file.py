@@ -1,0 +1,152 @@
+"""`--output_format single_file`: one safetensors file in the architecture's original layout, read back by
+Diffusers' own `from_single_file` bit for bit equal to the Diffusers export of the same checkpoint.
+
+The per-architecture key maps have their own tests (tests/test_single_file_<arch>.py, on in-memory state
+dicts); these run the real export: rank files or a DCP, the merge flow, the writer's conversion, publish and
+`test`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from builders import assert_bit_exact, make_export, output_state
+
+from mergeflow import merge_model, validate_artifact
+from mergeflow.architectures.original_layout import layout_for
+from mergeflow.errors import ArtifactInvalidError, SchemaMismatchError
+from mergeflow.io.jsonfiles import dumps_canonical
+from mergeflow.outputs.single_file import MODELSPEC_KEYS
+
+CLASSES = [
+    "QwenImageTransformer2DModel",
+    "FluxTransformer2DModel",
+    "SD3Transformer2DModel",
+    "WanTransformer3DModel",
+    "LTX2VideoTransformer3DModel",
+    "MiniMaxH3Transformer3DModel",
+]
+FILE = "transformer.safetensors"
+
+
+def _from_single_file(class_name: str, out: Path) -> dict[str, torch.Tensor]:
+    import diffusers
+
+    config = json.loads((out / "config.json").read_text())
+    kwargs = layout_for(class_name).loader_kwargs(config)
+    model = getattr(diffusers, class_name).from_single_file(str(out / FILE), config=str(out), local_files_only=True, **kwargs)
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("class_name", CLASSES)
+def test_from_single_file_reads_back_the_diffusers_export_bit_for_bit(tmp_path: Path, prefect_api: object,
+                                                                      class_name: str) -> None:
+    ex = make_export(tmp_path / "ckpt", class_name, world_size=2)
+    diffusers_export = Path(merge_model(ex.config(tmp_path / "diffusers", output_format="transformer")).output_dir)
+    out = Path(merge_model(ex.config(tmp_path / "single", output_format="single_file")).output_dir)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "merge_manifest.json", FILE]
+    expected = output_state(diffusers_export)
+    assert set(expected) == set(ex.actor.state_dict())
+    assert_bit_exact(expected, _from_single_file(class_name, out))
+    assert validate_artifact(out) == {"integrity": "passed", "architecture": class_name}
+
+    from safetensors import safe_open
+
+    with safe_open(str(out / FILE), framework="pt") as handle:
+        metadata = handle.metadata()
+    assert all(metadata.get(k) for k in MODELSPEC_KEYS), metadata
+    assert metadata["modelspec.title"] == "ckpt step 1"  # <run>/global_step_1/actor
+    assert json.loads(metadata["mergeflow"])["original_layout"] == layout_for(class_name).name
+    manifest = json.loads((out / "merge_manifest.json").read_text())
+    assert manifest["artifact_type"] == "single_file"
+    assert manifest["config_transform"]["tensor_conversion"]["adapter"] == "original_layout"
+    # Every Diffusers tensor is named once in the key map, and every file key is one of the file's tensors.
+    sources = [e[0] for entries in manifest["original_layout"]["key_map"].values() for e in entries]
+    assert sorted(sources) == sorted(expected)
+    assert set(manifest["original_layout"]["key_map"]) == set(manifest["tensors"])
+    assert str(tmp_path) not in (out / "merge_manifest.json").read_text() + json.dumps(metadata)
+
+
+def _rewrite(path: Path, edit, metadata: dict[str, str] | None = None) -> None:  # type: ignore[no-untyped-def]
+    """Rewrite a safetensors file through `edit(state) -> state` (its header metadata kept unless given)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(path), framework="pt") as handle:
+        kept = handle.metadata()
+    save_file(edit(load_file(str(path))), str(path), metadata=metadata if metadata is not None else kept)
+
+
+def _consistent_manifest(out: Path) -> None:
+    """Make the manifest agree with the edited file (digest and tensors), as a careless re-export would."""
+    from safetensors import safe_open
+
+    manifest_path = out / "merge_manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"][FILE] = hashlib.sha256((out / FILE).read_bytes()).hexdigest()
+    with safe_open(str(out / FILE), framework="pt") as handle:
+        manifest["tensors"] = {k: {"shape": list(handle.get_slice(k).get_shape()),
+                                   "dtype": manifest["tensors"].get(k, next(iter(manifest["tensors"].values())))["dtype"]}
+                               for k in handle.keys()}
+    manifest_path.write_text(dumps_canonical(manifest))  # mergeflow's own canonical form
+
+
+@pytest.fixture(scope="module")
+def published_qwen(tmp_path_factory: pytest.TempPathFactory, prefect_server: object) -> Path:
+    root = tmp_path_factory.mktemp("single-qwen")
+    ex = make_export(root / "ckpt", "QwenImageTransformer2DModel", world_size=2)
+    with prefect_server.activated():  # type: ignore[attr-defined]
+        return Path(merge_model(ex.config(root / "out", output_format="single_file")).output_dir)
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    for p in dst.rglob("*"):
+        p.chmod(0o644)
+    return dst
+
+
+def test_test_refuses_a_flipped_byte(tmp_path: Path, published_qwen: Path) -> None:
+    out = _copy(published_qwen, tmp_path / "a")
+    data = bytearray((out / FILE).read_bytes())
+    data[-3] ^= 0x01
+    (out / FILE).write_bytes(bytes(data))
+    with pytest.raises(ArtifactInvalidError, match=FILE):
+        validate_artifact(out)
+
+
+def test_test_refuses_a_renamed_key_even_with_a_consistent_manifest(tmp_path: Path, published_qwen: Path) -> None:
+    out = _copy(published_qwen, tmp_path / "a")
+    with pytest.raises(ArtifactInvalidError):  # the digest first
+        _rewrite(out / FILE, lambda h: {("img_in.renamed" if k == "img_in.weight" else k): v for k, v in h.items()})
+        validate_artifact(out)
+    _consistent_manifest(out)
+    with pytest.raises(ArtifactInvalidError, match="key map|layout"):
+        validate_artifact(out)
+
+
+def test_test_refuses_a_missing_key_even_with_a_consistent_manifest(tmp_path: Path, published_qwen: Path) -> None:
+    out = _copy(published_qwen, tmp_path / "a")
+    _rewrite(out / FILE, lambda h: {k: v for k, v in h.items() if k != "img_in.bias"})
+    _consistent_manifest(out)
+    with pytest.raises(ArtifactInvalidError, match="key map|layout"):
+        validate_artifact(out)
+
+
+def test_test_refuses_a_header_without_modelspec(tmp_path: Path, published_qwen: Path) -> None:
+    out = _copy(published_qwen, tmp_path / "a")
+    _rewrite(out / FILE, lambda state: state, metadata={"format": "pt"})
+    _consistent_manifest(out)
+    with pytest.raises(ArtifactInvalidError, match="modelspec"):
+        validate_artifact(out)
+
+
+def test_an_architecture_without_a_single_file_loader_is_refused_in_one_line() -> None:
+    with pytest.raises(SchemaMismatchError, match="Boogu-Image has no single-file loader"):
+        layout_for("BooguImageTransformer2DModel")
