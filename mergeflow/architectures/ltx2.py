@@ -14,6 +14,13 @@ The map is the exact inverse of Diffusers' `convert_ltx2_transformer_to_diffuser
 What the Diffusers transformer lacks: Lightricks' checkpoint also holds the text connectors
 (`video_embeddings_connector`, `audio_embeddings_connector`, which the converter drops: Diffusers keeps
 them in the pipeline's `connectors` component) and the VAEs/vocoder; a transformer-only file has none.
+ComfyUI's LTX-2 model holds the connectors too but skips them when its text encoder ran them (the text
+encoder loader reads them, with `text_embedding_projection`, from Lightricks' own checkpoint).
+
+Reading the file back with Diffusers needs `config=` (as every layout does here): diffusers 0.42.1's
+`infer_diffusers_model_type` names an LTX-Video type for any LTX-2 transformer file, Lightricks' own
+included, because its `ltx-video` branch (`model.diffusion_model.patchify_proj.weight`) comes before
+the `ltx2` one.
 
 The tensor set is that of LTX-2.0 (the released 19B): LTX-2.3's extra modules (`prompt_adaln`,
 `to_gate_logits`, the prompt tables, keyframe embedding) have no rule in diffusers 0.42.1's converter
