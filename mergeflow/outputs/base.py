@@ -107,6 +107,10 @@ class ArtifactOutput(ABC):
         """False when `map_tensor` is the identity, so the writes are passed on untouched."""
         return type(self).map_tensor is not ArtifactOutput.map_tensor
 
+    def tensor_sources(self, plan: MergePlan) -> dict[str, list[list[Any]]] | None:
+        """Each artifact tensor's parts in the Diffusers names (the unchanged-weights guard's map); None: the same names."""
+        return None
+
     def manifest_layout_record(self, plan: MergePlan) -> dict[str, Any] | None:
         """The manifest's `original_layout` record, for an output that renames and fuses tensors (default: none)."""
         return None

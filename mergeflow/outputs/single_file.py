@@ -135,6 +135,9 @@ class SingleFile(DiffusersTransformer):
     def manifest_layout_record(self, plan: MergePlan) -> dict[str, Any] | None:
         return key_map_record(plan)
 
+    def tensor_sources(self, plan: MergePlan) -> dict[str, list[list[Any]]] | None:
+        return dict(key_map_record(plan)["key_map"])
+
     def check_staged(self, plan: MergePlan, tensors: Mapping[str, TensorInfo]) -> None:
         from mergeflow.outputs.checks import check_schema_loadable
 
