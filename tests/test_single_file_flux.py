@@ -134,6 +134,7 @@ def test_narrow_tiny_variants_are_detected_as_their_model(guidance: bool, depth:
     ("drop", "single_transformer_blocks.0.proj_mlp.weight"),  # a row block of linear1
     ("drop", "time_text_embed.guidance_embedder.linear_2.bias"),  # a half-present guidance embedder
     ("drop_block", "transformer_blocks.0.norm1.linear.weight"),  # a whole block missing below the last
+    ("drop_singles", "single_transformer_blocks"),  # no single block: the converter cannot count them
     ("add", "transformer_blocks.0.attn.to_extra.weight"),
     ("add", "norm_out.extra.bias"),
 ])
@@ -145,6 +146,8 @@ def test_a_schema_that_does_not_fit_the_map_is_refused_naming_the_tensor(change:
         del shapes[named]
     elif change == "drop_block":
         shapes = {k: s for k, s in shapes.items() if not k.startswith("transformer_blocks.0.")}
+    elif change == "drop_singles":
+        shapes = {k: s for k, s in shapes.items() if not k.startswith("single_transformer_blocks.")}
     else:
         shapes[named] = (2, 2)
     with pytest.raises(SchemaMismatchError, match=named.replace(".", r"\.")):

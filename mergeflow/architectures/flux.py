@@ -29,6 +29,7 @@ from mergeflow.architectures.original_layout import (
     OriginalTensor,
     Shape,
 )
+from mergeflow.errors import SchemaMismatchError
 
 _DOUBLE = re.compile(r"transformer_blocks\.(\d+)\.")
 _SINGLE = re.compile(r"single_transformer_blocks\.(\d+)\.")
@@ -116,9 +117,14 @@ def plan(shapes: Mapping[str, Shape], params: Mapping[str, Any]) -> list[Origina
         globals_.update(_GUIDANCE)
     for ours, bfl in globals_.items():
         out += [OriginalTensor(f"{bfl}.{kind}", (f"{ours}.{kind}",)) for kind in ("weight", "bias")]
-    for i in _blocks(shapes, _DOUBLE):
+    doubles, singles = _blocks(shapes, _DOUBLE), _blocks(shapes, _SINGLE)
+    if not doubles or not singles:
+        # The converter counts blocks from the highest index it finds and fails on none at all.
+        raise SchemaMismatchError("the flux original layout needs transformer_blocks.N and single_transformer_blocks.N; "
+                                  f"the checkpoint has {len(doubles)} double and {len(singles)} single block(s)")
+    for i in doubles:
         out += _block(f"transformer_blocks.{i}.", f"double_blocks.{i}.", _DOUBLE_RENAMES, _DOUBLE_FUSED)
-    for i in _blocks(shapes, _SINGLE):
+    for i in singles:
         out += _block(f"single_transformer_blocks.{i}.", f"single_blocks.{i}.", _SINGLE_RENAMES, _SINGLE_FUSED)
     out += [OriginalTensor(f"final_layer.adaLN_modulation.1.{kind}", (f"norm_out.linear.{kind}",), "swap_halves")
             for kind in ("weight", "bias")]
