@@ -273,6 +273,17 @@ def test_a_dcp_merges_into_a_transformer_bit_exact_with_its_files_in_the_manifes
     assert_bit_exact(expected, {k: v.detach() for k, v in loaded.state_dict().items()})
 
 
+def test_a_dcp_exports_an_original_single_file(tmp_path: Path, prefect_api: object, accelerate_dcp: DcpCheckpoint) -> None:
+    from mergeflow.architectures.original_layout import layout_for, to_original_state_dict
+
+    out, manifest = _merge(accelerate_dcp, tmp_path / "out", output_format="single_file")
+    expected = {dcp.model_name(k): v for k, v in accelerate_dcp.trained.items()}
+    config = json.loads((out / "config.json").read_text())
+    assert_bit_exact(to_original_state_dict(layout_for(accelerate_dcp.class_name), expected, config), output_state(out))
+    assert manifest["artifact_type"] == "single_file" and manifest["checkpoint"] == {"layout": "dcp", "world_size": 3}
+    assert validate_artifact(out) == {"integrity": "passed", "architecture": accelerate_dcp.class_name}
+
+
 def test_a_dcp_merges_into_a_sharded_bf16_pipeline_with_the_flag_s_config(
         tmp_path: Path, prefect_api: object, accelerate_dcp: DcpCheckpoint) -> None:
     from tests.fixtures.pipelines_image import build_flux_pipeline

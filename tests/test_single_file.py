@@ -17,7 +17,7 @@ import torch
 from builders import assert_bit_exact, make_export, output_state
 
 from mergeflow import merge_model, validate_artifact
-from mergeflow.architectures.original_layout import layout_for
+from mergeflow.architectures.original_layout import layout_for, to_original_state_dict
 from mergeflow.errors import ArtifactInvalidError, SchemaMismatchError
 from mergeflow.io.jsonfiles import dumps_canonical
 from mergeflow.outputs.single_file import MODELSPEC_KEYS
@@ -31,6 +31,10 @@ CLASSES = [
     "MiniMaxH3Transformer3DModel",
 ]
 FILE = "transformer.safetensors"
+# Diffusers' Flux converter hard-codes FLUX.1's width (inner_dim 3072, mlp_ratio 4), so it cannot read a
+# tiny Flux file: tests/test_single_file_flux.py proves the map with from_single_file at that width (and
+# the converter on meta tensors at real depth); here the Flux file is checked against the map itself.
+NARROW_UNREADABLE = {"FluxTransformer2DModel"}
 
 
 def _from_single_file(class_name: str, out: Path) -> dict[str, torch.Tensor]:
@@ -51,7 +55,11 @@ def test_from_single_file_reads_back_the_diffusers_export_bit_for_bit(tmp_path: 
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "merge_manifest.json", FILE]
     expected = output_state(diffusers_export)
     assert set(expected) == set(ex.actor.state_dict())
-    assert_bit_exact(expected, _from_single_file(class_name, out))
+    config = json.loads((out / "config.json").read_text())
+    # The streamed file is exactly the map applied to the Diffusers export, in memory.
+    assert_bit_exact(to_original_state_dict(layout_for(class_name), expected, config), output_state(out))
+    if class_name not in NARROW_UNREADABLE:
+        assert_bit_exact(expected, _from_single_file(class_name, out))
     assert validate_artifact(out) == {"integrity": "passed", "architecture": class_name}
 
     from safetensors import safe_open
@@ -150,3 +158,85 @@ def test_test_refuses_a_header_without_modelspec(tmp_path: Path, published_qwen:
 def test_an_architecture_without_a_single_file_loader_is_refused_in_one_line() -> None:
     with pytest.raises(SchemaMismatchError, match="Boogu-Image has no single-file loader"):
         layout_for("BooguImageTransformer2DModel")
+
+
+def _unchanged_checkpoint(root: Path, class_name: str):  # type: ignore[no-untyped-def]
+    """A checkpoint of the unperturbed base (a wrong step, an untrained run)."""
+    import copy
+
+    from builders import Export
+
+    from mergeflow.demo.checkpoints import save_base_transformer, save_fsdp_checkpoint
+    from mergeflow.demo.tiny_transformers import build_transformer
+
+    base = build_transformer(class_name, seed=0)
+    base_dir = save_base_transformer(base, root / "base")
+    actor = copy.deepcopy(base)
+    actor_dir = save_fsdp_checkpoint(actor, root / "ckpt" / "global_step_1" / "actor", 2)
+    return Export(root, actor_dir, base_dir, actor, class_name)
+
+
+def test_the_unchanged_guard_compares_fused_and_swapped_tensors_with_the_base(tmp_path: Path, prefect_api: object) -> None:
+    from mergeflow.errors import UnchangedWeightsError
+
+    # SD3's file fuses q/k/v (cat) and exchanges the final norm's halves: each part is compared with its base tensor.
+    ex = _unchanged_checkpoint(tmp_path, "SD3Transformer2DModel")
+    with pytest.raises(UnchangedWeightsError, match="--allow-unchanged"):
+        merge_model(ex.config(tmp_path / "out", output_format="single_file"))
+    assert not (tmp_path / "out").exists()
+    out = Path(merge_model(ex.config(tmp_path / "out", output_format="single_file", allow_unchanged=True)).output_dir)
+    manifest = json.loads((out / "merge_manifest.json").read_text())
+    assert manifest["unchanged_check"] == {"compared_tensors": len(manifest["tensors"]), "differing_tensors": 0}
+    # A trained checkpoint of the same class is not refused (test_from_single_file_... exports SD3 as well).
+
+
+def test_a_fused_lora_exports_as_a_single_file(tmp_path: Path, prefect_api: object) -> None:
+    from lora_builders import ATTN_TARGETS, build_lora_checkpoint
+    from peft import LoraConfig
+
+    ck = build_lora_checkpoint(tmp_path, "SD3Transformer2DModel",
+                               lambda name: LoraConfig(r=4, lora_alpha=8, target_modules=ATTN_TARGETS), world_size=2)
+    fused = Path(merge_model(ck.config(tmp_path / "fused", fuse_lora=True)).output_dir)
+    out = Path(merge_model(ck.config(tmp_path / "single", fuse_lora=True, output_format="single_file")).output_dir)
+    assert_bit_exact(output_state(fused), _from_single_file("SD3Transformer2DModel", out))
+    assert "lora_fusion" in json.loads((out / "merge_manifest.json").read_text())
+    assert validate_artifact(out)["integrity"] == "passed"
+
+
+def test_the_component_names_the_file_and_a_remote_code_base_is_refused_in_one_line(tmp_path: Path, prefect_server) -> None:  # type: ignore[no-untyped-def]
+    import forked_cli
+
+    from fixtures.boogu import build_boogu_pipeline
+
+    env = {**prefect_server.client_env(), "HF_HUB_OFFLINE": "1"}
+    ex = make_export(tmp_path / "ckpt", "QwenImageTransformer2DModel", world_size=1)
+    base = build_boogu_pipeline(tmp_path / "boogu")
+    done = forked_cli.mergeflow(["merge", "--backend", "fsdp", "--local_dir", str(ex.actor_dir), "--base_model", str(base),
+                                 "--target_dir", str(tmp_path / "out"), "--output_format", "single_file",
+                                 "--trust-remote-code"], env)
+    assert done.returncode == 2, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("mergeflow: error:")]
+    assert len(errors) == 1 and "Boogu-Image has no single-file loader" in errors[0], done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and not (tmp_path / "out").exists()
+
+
+def test_wan22_experts_export_one_file_each_from_the_pipeline_base(tmp_path: Path, prefect_api: object) -> None:
+    from fixtures.pipelines_video import build_wan_pipeline
+    from pipeline_builders import Exported, make_actor
+
+    from mergeflow.demo.tiny_transformers import build_transformer
+
+    high, low = build_transformer("WanTransformer3DModel", seed=0), build_transformer("WanTransformer3DModel", seed=7)
+    base = build_wan_pipeline(tmp_path / "base", high, transformer_2=low, boundary_ratio=0.9)
+    for component, expert in (("transformer", high), ("transformer_2", low)):
+        actor, actor_dir = make_actor(expert, tmp_path / component, seed=3)
+        item = Exported(base, actor_dir, actor)
+        out = Path(merge_model(item.config(tmp_path / f"out-{component}", output_format="single_file",
+                                           component=component)).output_dir)
+        assert sorted(p.name for p in out.iterdir()) == ["config.json", "merge_manifest.json", f"{component}.safetensors"]
+        import diffusers
+
+        loaded = diffusers.WanTransformer3DModel.from_single_file(str(out / f"{component}.safetensors"), config=str(out),
+                                                                  local_files_only=True)
+        assert_bit_exact(actor.state_dict(), loaded.state_dict())
+        assert validate_artifact(out)["integrity"] == "passed"
