@@ -13,6 +13,8 @@ medians and ratios only; no result is compared with a fixed time.
     python bench/merge_bench.py --preset 1gb             # ~1 GB in 62 tensors, W=4
     python bench/merge_bench.py --dtypes preserve        # only the preserving export
     python bench/merge_bench.py --layout dcp             # the same model as a torch DCP (one writer)
+    python bench/merge_bench.py --dtypes preserve --output-format transformer single_file
+                                                         # both outputs interleaved; prints single_file / transformer
 """
 
 from __future__ import annotations
@@ -83,29 +85,33 @@ def source_files(actor: Path) -> list[Path]:
     return sorted(actor.glob("model_world_size_*.pt")) or sorted(actor.glob("*.distcp"))
 
 
-def bench_dtype(actor: Path, base: Path, work: Path, dtype: str, repeats: int, env: dict[str, str]) -> tuple[list[Run], list[float]]:
+def bench_dtype(actor: Path, base: Path, work: Path, dtype: str, repeats: int, env: dict[str, str],
+                formats: list[str]) -> dict[str, tuple[list[Run], list[float]]]:
+    """Each output format once per round, alternating which goes first, each with its floor right before it."""
     rank_files = source_files(actor)
-    runs, test_times = [], []
-    for i in range(repeats + 1):  # run 0 warms the page cache and the server; it is not counted
-        target = work / f"out-{dtype}-{i}"
-        settle()
-        floor = floor_seconds(rank_files, work / "floor.bin")
-        settle()
-        floor_wb = floor_seconds(rank_files, work / "floor.bin", early_writeback=True)
-        settle()
-        cli_s, peak = timed_command(mergeflow_argv("merge", "--backend", "fsdp", "--local_dir", str(actor),
-                                                   "--base_model", str(base), "--target_dir", str(target),
-                                                   "--output_format", "transformer", "--dtype", dtype), env)
-        # The run name the flow gives itself (training run and step of the source).
-        from mergeflow.flows.run_names import export_label
+    results: dict[str, tuple[list[Run], list[float]]] = {f: ([], []) for f in formats}
+    for i in range(repeats + 1):  # round 0 warms the page cache and the server; it is not counted
+        for output_format in (formats if i % 2 == 0 else formats[::-1]):
+            runs, test_times = results[output_format]
+            target = work / f"out-{dtype}-{output_format}-{i}"
+            settle()
+            floor = floor_seconds(rank_files, work / "floor.bin")
+            settle()
+            floor_wb = floor_seconds(rank_files, work / "floor.bin", early_writeback=True)
+            settle()
+            cli_s, peak = timed_command(mergeflow_argv("merge", "--backend", "fsdp", "--local_dir", str(actor),
+                                                       "--base_model", str(base), "--target_dir", str(target),
+                                                       "--output_format", output_format, "--dtype", dtype), env)
+            # The run name the flow gives itself (training run and step of the source).
+            from mergeflow.flows.run_names import export_label
 
-        run, spans = flow_timeline(f"merge-{export_label(target, actor)}")
-        flow_s = (run.end_time - run.start_time).total_seconds()
-        if i > 0:
-            runs.append(Run(floor, floor_wb, cli_s, flow_s, peak, spans))
-            test_times.append(timed_command(mergeflow_argv("test", "--backend", "fsdp", "--test_hf_dir", str(target)), env)[0])
-        shutil.rmtree(target)
-    return runs, test_times
+            run, spans = flow_timeline(f"merge-{export_label(target, actor)}")
+            flow_s = (run.end_time - run.start_time).total_seconds()
+            if i > 0:
+                runs.append(Run(floor, floor_wb, cli_s, flow_s, peak, spans))
+                test_times.append(timed_command(mergeflow_argv("test", "--backend", "fsdp", "--test_hf_dir", str(target)), env)[0])
+            shutil.rmtree(target)
+    return results
 
 
 def median_run(runs: list[Run]) -> Run:
@@ -113,11 +119,11 @@ def median_run(runs: list[Run]) -> Run:
 
 
 def report(preset: Preset, nbytes: int, tensors: int, dtype: str, runs: list[Run], test_times: list[float],
-           layout: str = "verl") -> None:
+           layout: str = "verl", output_format: str = "transformer") -> None:
     mid = median_run(runs)
     shape = f"W={preset.world_size}, {nbytes / 1e9:.2f} GB of rank files" if layout == "verl" else \
         f"a one-writer DCP, {nbytes / 1e9:.2f} GB of .distcp"
-    print(f"\n{preset.name} ({tensors} tensors, {shape}), --dtype {dtype}")
+    print(f"\n{preset.name} ({tensors} tensors, {shape}), --dtype {dtype}, --output_format {output_format}")
     print(f"  floor_s {statistics.median(r.floor_s for r in runs):.2f}  cli_s {statistics.median(r.cli_s for r in runs):.2f}  "
           f"ratio {statistics.median(r.ratio for r in runs):.2f}  (runs: "
           + ", ".join(f"{r.cli_s:.1f}/{r.floor_s:.1f}" for r in runs) + ")")
@@ -141,6 +147,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layout", choices=["verl", "dcp"], default="verl",
                         help="verl's W rank files, or the same model as a torch DCP written by one process")
+    parser.add_argument("--output-format", nargs="+", default=["transformer"], dest="output_formats",
+                        help="outputs to time, interleaved in each round (the first is the reference of the ratios)")
     parser.add_argument("--root", default=tempfile.gettempdir())
     parser.add_argument("--keep", action="store_true", help="keep the built checkpoint (and print where)")
     args = parser.parse_args()
@@ -154,8 +162,14 @@ def main() -> int:
             env = dict(os.environ, PREFECT_TASKS_REFRESH_CACHE="true", HF_HUB_OFFLINE="1")
             tensors = _tensor_count(base)
             for dtype in args.dtypes:
-                runs, test_times = bench_dtype(actor, base, work, dtype, args.repeats, env)
-                report(preset, nbytes, tensors, dtype, runs, test_times, args.layout)
+                results = bench_dtype(actor, base, work, dtype, args.repeats, env, args.output_formats)
+                for output_format, (runs, test_times) in results.items():
+                    report(preset, nbytes, tensors, dtype, runs, test_times, args.layout, output_format)
+                reference = args.output_formats[0]
+                for output_format in args.output_formats[1:]:
+                    ratios = [b.cli_s / a.cli_s for a, b in zip(results[reference][0], results[output_format][0], strict=True)]
+                    print(f"\n{output_format} / {reference}, whole command, same rounds: median {statistics.median(ratios):.3f} "
+                          f"(rounds: {', '.join(f'{r:.3f}' for r in ratios)})")
         print("\ncli_s: the whole `mergeflow merge` process; floor: read + write + sha256 (fsync) of the rank files in one "
               "pass, measured right before each run; ratio: median of per-run cli_s / floor")
     finally:
