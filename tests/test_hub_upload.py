@@ -289,3 +289,16 @@ def test_local_hub_server_speaks_tree_paths_info_and_resolve(hub, artifact):
     assert isinstance(info, RepoFile) and info.lfs is not None and info.lfs.sha256 == _sha256(artifact / WEIGHTS)
     local = api.hf_hub_download(REPO, WEIGHTS, revision=record.commit_sha, cache_dir=artifact.parent / "cache")
     assert Path(local).read_bytes() == (artifact / WEIGHTS).read_bytes()
+
+
+def test_a_single_file_export_uploads_and_verifies(hub, tmp_path, prefect_api):
+    from builders import make_export
+
+    from mergeflow import merge_model
+
+    ex = make_export(tmp_path / "ckpt", "QwenImageTransformer2DModel", world_size=1)
+    out = Path(merge_model(ex.config(tmp_path / "out", output_format="single_file")).output_dir)
+    record = _upload(hub, out)
+    _assert_hub_holds_artifact(hub, out)
+    assert hub.files(REPO)["transformer.safetensors"].lfs
+    assert record.files_verified == len(_artifact_files(out)) == 3

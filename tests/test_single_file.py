@@ -240,3 +240,25 @@ def test_wan22_experts_export_one_file_each_from_the_pipeline_base(tmp_path: Pat
                                                                   local_files_only=True)
         assert_bit_exact(actor.state_dict(), loaded.state_dict())
         assert validate_artifact(out)["integrity"] == "passed"
+
+
+def test_a_config_outside_the_architecture_s_map_is_refused_before_any_write(tmp_path: Path, prefect_server) -> None:  # type: ignore[no-untyped-def]
+    import forked_cli
+
+    from mergeflow.demo.checkpoints import perturb_, save_base_transformer, save_fsdp_checkpoint
+    from mergeflow.demo.tiny_transformers import build_transformer
+
+    # Wan first-last-frame-to-video: Diffusers' converter has no name for its image position table.
+    base = build_transformer("WanTransformer3DModel", seed=0,
+                             config_overrides={"image_dim": 11, "added_kv_proj_dim": 36, "pos_embed_seq_len": 4})
+    base_dir = save_base_transformer(base, tmp_path / "base")
+    perturb_(base, seed=1)
+    actor_dir = save_fsdp_checkpoint(base, tmp_path / "ckpt" / "global_step_1" / "actor", 1)
+    env = {**prefect_server.client_env(), "HF_HUB_OFFLINE": "1"}
+    done = forked_cli.mergeflow(["merge", "--backend", "fsdp", "--local_dir", str(actor_dir), "--base_model", str(base_dir),
+                                 "--target_dir", str(tmp_path / "out"), "--output_format", "single_file"], env)
+    assert done.returncode == 2, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("mergeflow: error:")]
+    assert len(errors) == 1 and "image_embedder.pos_embed" in errors[0], done.stderr[-2000:]
+    assert "writing" not in done.stderr and not (tmp_path / "out").exists()
+    assert not list(tmp_path.glob(".out*")), "a refused export left staging or a lock behind"
