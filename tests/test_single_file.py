@@ -203,9 +203,8 @@ def test_a_fused_lora_exports_as_a_single_file(tmp_path: Path, prefect_api: obje
     assert validate_artifact(out)["integrity"] == "passed"
 
 
-def test_the_component_names_the_file_and_a_remote_code_base_is_refused_in_one_line(tmp_path: Path, prefect_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_remote_code_base_is_refused_in_one_line(tmp_path: Path, prefect_server) -> None:  # type: ignore[no-untyped-def]
     import forked_cli
-
     from fixtures.boogu import build_boogu_pipeline
 
     env = {**prefect_server.client_env(), "HF_HUB_OFFLINE": "1"}
@@ -245,7 +244,11 @@ def test_wan22_experts_export_one_file_each_from_the_pipeline_base(tmp_path: Pat
 def test_a_config_outside_the_architecture_s_map_is_refused_before_any_write(tmp_path: Path, prefect_server) -> None:  # type: ignore[no-untyped-def]
     import forked_cli
 
-    from mergeflow.demo.checkpoints import perturb_, save_base_transformer, save_fsdp_checkpoint
+    from mergeflow.demo.checkpoints import (
+        perturb_,
+        save_base_transformer,
+        save_fsdp_checkpoint,
+    )
     from mergeflow.demo.tiny_transformers import build_transformer
 
     # Wan first-last-frame-to-video: Diffusers' converter has no name for its image position table.

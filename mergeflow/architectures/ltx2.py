@@ -34,7 +34,11 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from mergeflow.architectures.original_layout import OriginalLayout, OriginalTensor, Shape
+from mergeflow.architectures.original_layout import (
+    OriginalLayout,
+    OriginalTensor,
+    Shape,
+)
 
 PREFIX = "model.diffusion_model."
 

@@ -29,7 +29,12 @@ from mergeflow.errors import SchemaMismatchError
 if TYPE_CHECKING:
     import torch
 
-    from mergeflow.records import ArchitectureOp, TensorLayout, TensorSource, TensorWrite
+    from mergeflow.records import (
+        ArchitectureOp,
+        TensorLayout,
+        TensorSource,
+        TensorWrite,
+    )
 
 Shape = tuple[int, ...]
 Op = Literal["rename", "cat", "swap_halves"]

@@ -10,7 +10,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mergeflow.architectures.original_layout import OriginalLayout, OriginalTensor, Shape
+from mergeflow.architectures.original_layout import (
+    OriginalLayout,
+    OriginalTensor,
+    Shape,
+)
 
 
 def plan(shapes: Mapping[str, Shape], params: Mapping[str, Any]) -> list[OriginalTensor]:

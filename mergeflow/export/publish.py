@@ -24,6 +24,7 @@ from mergeflow.formats.manifest import (
 from mergeflow.io.fs import fsync_dir, make_readable, rename_noreplace
 from mergeflow.io.jsonfiles import write_json_durable
 from mergeflow.io.session import sha256_file
+from mergeflow.outputs.registry import output_of
 from mergeflow.records import (
     FileRecord,
     MergePlan,
@@ -32,7 +33,6 @@ from mergeflow.records import (
     ValidationReport,
 )
 from mergeflow.sources.registry import source_named
-from mergeflow.outputs.registry import output_of
 
 LAYERS_PASSED = {"structure": "passed", "source_round_trip": "passed", "artifact_round_trip": "passed",
                  "integrity": "passed", "runtime": "not_run"}

@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     from mergeflow.architectures.registry import BaseLayout
     from mergeflow.config import ModelMergerConfig
     from mergeflow.export.plan.targets import TargetSchema
-    from mergeflow.formats.manifest import TensorInfo
     from mergeflow.formats.model_config import ModelConfig
     from mergeflow.records import MergePlan
 
@@ -43,7 +42,7 @@ MODELSPEC_VERSION = "1.0.0"
 # The header keys every single file carries (SAI's ModelSpec: modelspec.* as kohya's tools and ComfyUI read them).
 MODELSPEC_KEYS = ("modelspec.sai_model_spec", "modelspec.architecture", "modelspec.implementation",
                   "modelspec.title", "modelspec.date")
-MERGEFLOW_KEY = "mergeflow"  # mergeflow's own record in the header: producer, layout, source fingerprint
+MERGEFLOW_KEY = "mergeflow"  # mergeflow's own record in the header: producer version, layout, Diffusers class
 
 
 def file_name(component: str) -> str:
@@ -138,15 +137,14 @@ class SingleFile(DiffusersTransformer):
     def tensor_sources(self, plan: MergePlan) -> dict[str, list[list[Any]]] | None:
         return dict(key_map_record(plan)["key_map"])
 
-    def check_staged(self, plan: MergePlan, tensors: Mapping[str, TensorInfo]) -> None:
-        from mergeflow.outputs.checks import check_schema_loadable
-
-        check_schema_loadable(plan, tensors)  # exactly the planned original tensors and shapes
-
 
 def key_map_record(plan: MergePlan) -> dict[str, Any]:
     """The manifest's `original_layout` record: the layout, its params and file key -> [source, rows, swapped]."""
-    from mergeflow.architectures.original_layout import LAYOUT_PARAM, key_map, layout_named
+    from mergeflow.architectures.original_layout import (
+        LAYOUT_PARAM,
+        key_map,
+        layout_named,
+    )
 
     params = dict(plan.conversion.adapter_params)
     layout = layout_named(str(params[LAYOUT_PARAM]))
@@ -159,7 +157,11 @@ def check_key_map(record: Mapping[str, Any], tensors: Mapping[str, Any]) -> None
     The Diffusers shapes follow from the record and the file (a row block's rows, the file tensor's
     other dims); the layout's own plan over those shapes must give back exactly the recorded map.
     """
-    from mergeflow.architectures.original_layout import key_map, layout_named, original_shapes
+    from mergeflow.architectures.original_layout import (
+        key_map,
+        layout_named,
+        original_shapes,
+    )
 
     try:
         layout = layout_named(str(record.get("layout")))
