@@ -31,6 +31,12 @@ CASES: dict[str, tuple[object, str, str]] = {
     "FluxTransformer2DModel": (FLUX_DOUBLE, "FluxPipeline", "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight"),
     "WanTransformer3DModel": (["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "proj_out"], "WanPipeline",
                               "diffusion_model.blocks.0.cross_attn.o.lora_up.weight"),
+    "QwenImageTransformer2DModel": (["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "img_mod.1", "norm_out.linear"],
+                                    "QwenImagePipeline", "diffusion_model.transformer_blocks.1.img_mod.1.alpha"),
+    # proj_in, time_embed and the a2v gate exercise Lightricks' renames (patchify_proj, adaln_single, av_ca_*).
+    "LTX2VideoTransformer3DModel": (["to_q", "to_k", "to_v", "to_out.0", "proj_in", "time_embed.linear",
+                                     "av_cross_attn_video_a2v_gate.linear"], "LTX2Pipeline",
+                                    "diffusion_model.av_ca_a2v_gate_adaln_single.linear.lora_B.weight"),
 }
 
 

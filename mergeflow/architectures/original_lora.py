@@ -53,6 +53,8 @@ ALPHA_SUFFIX = "alpha"
 _NAMING_MODULES: dict[str, str] = {
     "FluxTransformer2DModel": "flux_lora",
     "WanTransformer3DModel": "wan_lora",
+    "QwenImageTransformer2DModel": "qwen_image_lora",
+    "LTX2VideoTransformer3DModel": "ltx2_lora",
 }
 # Classes with no ComfyUI LoRA naming that Diffusers' loaders read: the refusal says why.
 NO_COMFYUI_LORA: dict[str, str] = {
