@@ -37,6 +37,9 @@ CASES: dict[str, tuple[object, str, str]] = {
     "LTX2VideoTransformer3DModel": (["to_q", "to_k", "to_v", "to_out.0", "proj_in", "time_embed.linear",
                                      "av_cross_attn_video_a2v_gate.linear"], "LTX2Pipeline",
                                     "diffusion_model.av_ca_a2v_gate_adaln_single.linear.lora_B.weight"),
+    # SD3.5's dual attention (attn2) included
+    "SD3Transformer2DModel": (["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "ff_context.net.2", "context_embedder"],
+                              "StableDiffusion3Pipeline", "transformer.transformer_blocks.0.attn2.to_q.lora_B.weight"),
 }
 
 
@@ -78,6 +81,8 @@ def test_comfyui_lora_loads_with_load_lora_weights_and_reproduces_the_trained_fo
     pipe = pipeline_with(pipeline_class, load_base(ck))
     pipe.load_lora_weights(str(adapter_dir), weight_name=WEIGHTS, adapter_name="x")  # type: ignore[attr-defined]
     expected = ck.forward("default")
+    base = run_tiny_forward(load_base(ck).eval())
+    assert not all(torch.allclose(a, b, atol=1e-4) for a, b in zip(expected, base, strict=True))  # the LoRA matters
     got = run_tiny_forward(pipe.transformer.eval())  # type: ignore[attr-defined]
     for a, b in zip(expected, got, strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
