@@ -6,17 +6,23 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
+from typing import Any
 
 import diffusers
 import pytest
 import torch
+from builders import leftovers
 from lora_builders import LoraCheckpoint, build_lora_checkpoint
 from peft import LoraConfig
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from mergeflow import merge_model, validate_artifact
+from mergeflow.architectures.original_lora import naming_for
 from mergeflow.demo.checkpoints import run_tiny_forward
+from mergeflow.errors import ArtifactInvalidError, LoraError, UsageError
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::RuntimeWarning", "ignore::FutureWarning")
 
@@ -87,3 +93,110 @@ def test_comfyui_lora_loads_with_load_lora_weights_and_reproduces_the_trained_fo
     for a, b in zip(expected, got, strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
     assert validate_artifact(adapter_dir)["integrity"] == "passed"
+
+
+def delta(ck: LoraCheckpoint, module: str, adapter: str = "default") -> torch.Tensor:
+    """PEFT's own delta weight (scale * B @ A) of one module of the trained model."""
+    return ck.peft.base_model.model.get_submodule(module).get_delta_weight(adapter).detach()
+
+
+def file_delta(state: dict[str, torch.Tensor], stem: str) -> torch.Tensor:
+    down, up = state[f"{stem}.lora_down.weight"], state[f"{stem}.lora_up.weight"]
+    return (up @ down) * (state[f"{stem}.alpha"].item() / down.shape[0])
+
+
+@pytest.fixture(scope="module")
+def flux_qkv(tmp_path_factory: pytest.TempPathFactory, prefect_server: Any) -> tuple[LoraCheckpoint, Path]:
+    """q, k, v LoRAs in every block: double blocks' image qkv and single blocks' linear1 (proj_mlp a zero block)."""
+    root = tmp_path_factory.mktemp("flux-qkv")
+    ck = build_lora_checkpoint(root, "FluxTransformer2DModel", make_config(["to_q", "to_k", "to_v"]), world_size=3,
+                               layout="lora_only")
+    with prefect_server.activated():
+        return ck, export(ck, root / "out")
+
+
+def test_flux_fused_modules_hold_the_exact_block_structured_lora(flux_qkv: tuple[LoraCheckpoint, Path]) -> None:
+    ck, out = flux_qkv
+    state = load_file(str(out / "lora_adapter" / WEIGHTS))
+    peft_state = ck.peft.base_model.model.state_dict()
+    lora_a = [peft_state[f"transformer_blocks.0.attn.to_{p}.lora_A.default.weight"] for p in "qkv"]
+    lora_b = [peft_state[f"transformer_blocks.0.attn.to_{p}.lora_B.default.weight"] for p in "qkv"]
+    stem = "lora_unet_double_blocks_0_img_attn_qkv"
+    # the checkpoint's bytes, stacked and on the block diagonal: rank 3r, alpha / rank = alpha / r of each part
+    assert torch.equal(state[f"{stem}.lora_down.weight"], torch.cat(lora_a))
+    assert torch.equal(state[f"{stem}.lora_up.weight"], torch.block_diag(*lora_b))
+    assert state[f"{stem}.alpha"].item() == 8 / 4 * 12 and state[f"{stem}.alpha"].dtype == torch.float32
+    expected = torch.cat([delta(ck, f"transformer_blocks.0.attn.to_{p}") for p in "qkv"])
+    torch.testing.assert_close(file_delta(state, stem), expected, rtol=0, atol=1e-6)
+    # single block: linear1 = q, k, v and the MLP input; proj_mlp has no LoRA, so its rows are zero
+    single = "lora_unet_single_blocks_0_linear1"
+    mlp_rows = ck.peft.base_model.model.single_transformer_blocks[0].proj_mlp.out_features
+    parts = [delta(ck, f"single_transformer_blocks.0.attn.to_{p}") for p in "qkv"]
+    expected = torch.cat([*parts, torch.zeros(mlp_rows, parts[0].shape[1])])
+    assert state[f"{single}.lora_down.weight"].shape[0] == 12
+    torch.testing.assert_close(file_delta(state, single), expected, rtol=0, atol=1e-6)
+    assert not any("txt_attn_qkv" in k for k in state)  # no part of it is adapted
+    assert validate_artifact(out / "lora_adapter")["integrity"] == "passed"
+
+
+def test_the_test_command_catches_a_flipped_byte_and_a_renamed_key(
+    tmp_path: Path, flux_qkv: tuple[LoraCheckpoint, Path]
+) -> None:
+    _, out = flux_qkv
+    flipped = tmp_path / "flipped"
+    shutil.copytree(out / "lora_adapter", flipped)
+    data = bytearray((flipped / WEIGHTS).read_bytes())
+    data[-3] ^= 0x01
+    (flipped / WEIGHTS).write_bytes(bytes(data))
+    with pytest.raises(ArtifactInvalidError):
+        validate_artifact(flipped)
+    renamed = tmp_path / "renamed"
+    shutil.copytree(out / "lora_adapter", renamed)
+    with safe_open(str(renamed / WEIGHTS), framework="pt") as handle:
+        metadata = handle.metadata()
+    state = load_file(str(renamed / WEIGHTS))
+    key = "lora_unet_double_blocks_0_img_attn_qkv.alpha"
+    state["lora_unet_double_blocks_0_img_attn_qkv_x.alpha"] = state.pop(key)
+    save_file(state, str(renamed / WEIGHTS), metadata=metadata)
+    with pytest.raises(ArtifactInvalidError):
+        validate_artifact(renamed)
+
+
+# name -> (class, LoraConfig factory, what the one-line refusal says)
+REFUSALS = {
+    "dora": ("FluxTransformer2DModel", lambda n: LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=["to_q"]),
+             "is DoRA"),
+    "lora-bias": ("FluxTransformer2DModel", lambda n: LoraConfig(r=4, lora_alpha=8, lora_bias=True, target_modules=["to_q"]),
+                  "trains lora_B biases"),
+    # q and v at alpha / r = 2, k at 1: the fused qkv's one alpha cannot carry both
+    "mixed-scales": ("FluxTransformer2DModel", lambda n: LoraConfig(r=4, lora_alpha=8, alpha_pattern={"to_k": 4},
+                                                                    target_modules=["to_q", "to_k", "to_v"]),
+                     "different scales"),
+    # Diffusers' kohya converter drops the modules outside Flux's blocks
+    "flux-x-embedder": ("FluxTransformer2DModel", make_config(["to_q", "x_embedder"]), "x_embedder, which the Flux"),
+    "wan-patch-embedding": ("WanTransformer3DModel", make_config(["to_q", "patch_embedding"]), "patch_embedding, which the Wan"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_what_a_comfyui_lora_cannot_carry_is_refused_before_any_write(tmp_path: Path, prefect_api: object, case: str) -> None:
+    class_name, make, match = REFUSALS[case]
+    ck = build_lora_checkpoint(tmp_path, class_name, make, world_size=1, layout="lora_only", adapter_config="actor")
+    with pytest.raises(LoraError, match=match):
+        export(ck, tmp_path / "out")
+    assert not leftovers(tmp_path, "out")
+
+
+def test_an_architecture_without_a_comfyui_lora_naming_is_refused() -> None:
+    with pytest.raises(LoraError, match="Boogu-Image has no ComfyUI LoRA loader"):
+        naming_for("BooguImageTransformer2DModel")
+    with pytest.raises(LoraError, match="no LoRA naming for NoSuchTransformer; it knows FluxTransformer2DModel"):
+        naming_for("NoSuchTransformer")
+
+
+def test_fuse_lora_writes_no_adapter_so_the_format_flag_is_refused(tmp_path: Path, prefect_api: object,
+                                                                   flux_qkv: tuple[LoraCheckpoint, Path]) -> None:
+    ck, _ = flux_qkv
+    with pytest.raises(UsageError, match="with --fuse-lora no adapter is written"):
+        merge_model(ck.config(tmp_path / "out", base_model=str(ck.base_dir), fuse_lora=True, adapter_format="comfyui"))
+    assert not leftovers(tmp_path, "out")
