@@ -46,6 +46,9 @@ CASES: dict[str, tuple[object, str, str]] = {
     # SD3.5's dual attention (attn2) included
     "SD3Transformer2DModel": (["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "ff_context.net.2", "context_embedder"],
                               "StableDiffusion3Pipeline", "transformer.transformer_blocks.0.attn2.to_q.lora_B.weight"),
+    # q and v only (k a zero block of the fused qkv_proj), fc1's swapped halves, the final layer's renames
+    "MiniMaxH3Transformer3DModel": (["to_q", "to_v", "to_out.0", "ff.net.0.proj", "adaln_proj.linear", "proj_out"],
+                                    "MiniMaxH3ModularPipeline", "diffusion_model.blocks.0.attn.qkv_proj.lora_up.weight"),
 }
 
 
@@ -58,6 +61,10 @@ def pipeline_with(pipeline_class: str, transformer: torch.nn.Module) -> object:
     import inspect
 
     cls = getattr(diffusers, pipeline_class)
+    if issubclass(cls, diffusers.ModularPipeline):  # H3 is modular only: components are set, not passed
+        pipe = cls()
+        pipe.update_components(transformer=transformer)
+        return pipe
     names = [n for n in inspect.signature(cls.__init__).parameters if n != "self"]
     return cls(**{n: None for n in names if n != "transformer"}, transformer=transformer)
 

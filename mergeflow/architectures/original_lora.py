@@ -56,6 +56,7 @@ _NAMING_MODULES: dict[str, str] = {
     "QwenImageTransformer2DModel": "qwen_image_lora",
     "LTX2VideoTransformer3DModel": "ltx2_lora",
     "SD3Transformer2DModel": "sd3_lora",
+    "MiniMaxH3Transformer3DModel": "minimax_h3_lora",
 }
 # Classes with no ComfyUI LoRA naming that Diffusers' loaders read: the refusal says why.
 NO_COMFYUI_LORA: dict[str, str] = {
