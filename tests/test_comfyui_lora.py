@@ -207,3 +207,29 @@ def test_fuse_lora_writes_no_adapter_so_the_format_flag_is_refused(tmp_path: Pat
     with pytest.raises(UsageError, match="with --fuse-lora no adapter is written"):
         merge_model(ck.config(tmp_path / "out", base_model=str(ck.base_dir), fuse_lora=True, adapter_format="comfyui"))
     assert not leftovers(tmp_path, "out")
+
+
+def test_wan_image_projections_are_written_only_as_a_pair() -> None:
+    from mergeflow.architectures.wan_lora import plan
+
+    stems = [m.stem for m in plan(["blocks.0.attn2.add_k_proj", "blocks.0.attn2.add_v_proj"])]
+    assert stems == ["diffusion_model.blocks.0.cross_attn.k_img", "diffusion_model.blocks.0.cross_attn.v_img"]
+    with pytest.raises(LoraError, match="k_img and v_img LoRAs only together"):
+        plan(["blocks.0.attn2.add_k_proj"])
+
+
+def test_every_ltx2_linear_module_round_trips_through_diffusers_converter() -> None:
+    """Diffusers' LTX-2 LoRA converter renames only: every Linear of the model must come back as itself."""
+    from diffusers.loaders.lora_conversion_utils import (
+        _convert_non_diffusers_ltx2_lora_to_diffusers,
+    )
+
+    from mergeflow.architectures.ltx2_lora import LORA_NAMING
+    from mergeflow.demo.tiny_transformers import build_transformer
+
+    model = build_transformer("LTX2VideoTransformer3DModel", seed=0)
+    linears = sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear))
+    files = {f"{m.stem}.{LORA_NAMING.down}": torch.zeros(1) for m in LORA_NAMING.plan(linears)}
+    assert any("adaln_single" in k for k in files) and any("patchify_proj" in k for k in files)
+    converted = _convert_non_diffusers_ltx2_lora_to_diffusers(files)
+    assert sorted(converted) == sorted(f"transformer.{n}.lora_A.weight" for n in linears)

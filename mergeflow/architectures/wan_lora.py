@@ -39,6 +39,11 @@ _GLOBAL = {
 
 
 def plan(adapted: Sequence[str]) -> list[LoraModule]:
+    pairs = {"add_k_proj": "add_v_proj", "add_v_proj": "add_k_proj"}
+    img = {m for m in adapted if m.endswith((".attn2.add_k_proj", ".attn2.add_v_proj"))}
+    half = sorted(m for m in img if m.rsplit(".", 1)[0] + "." + pairs[m.rsplit(".", 1)[1]] not in img)
+    if half:  # Diffusers' converter reads k_img / v_img only as a pair (an I2V LoRA) and refuses one alone
+        raise unnamed("Wan", half[0], "Diffusers reads k_img and v_img LoRAs only together")
     out = []
     for module in adapted:
         block = _BLOCK.match(module)
