@@ -233,3 +233,29 @@ def test_every_ltx2_linear_module_round_trips_through_diffusers_converter() -> N
     assert any("adaln_single" in k for k in files) and any("patchify_proj" in k for k in files)
     converted = _convert_non_diffusers_ltx2_lora_to_diffusers(files)
     assert sorted(converted) == sorted(f"transformer.{n}.lora_A.weight" for n in linears)
+
+
+# FLUX.1's own width (24 heads x 128, MLP 4x) in one single block and no double block: Diffusers' kohya
+# converter splits linear1 at FLUX.1's fixed row counts (3072, 3072, 3072, 12288), so only this width loads.
+FLUX1_SINGLE_BLOCK = {"num_layers": 0, "num_single_layers": 1, "num_attention_heads": 24, "attention_head_dim": 128,
+                      "axes_dims_rope": (16, 56, 56)}
+
+
+SINGLE_TARGETS = r"single_transformer_blocks\.\d+\.(attn\.to_[qkv]|proj_mlp|proj_out)"  # not the final proj_out
+
+
+def test_flux_single_block_linear1_loads_with_load_lora_weights_at_flux1_width(tmp_path: Path, prefect_api: object) -> None:
+    ck = build_lora_checkpoint(tmp_path, "FluxTransformer2DModel", make_config(SINGLE_TARGETS),
+                               world_size=1, layout="lora_only", config_overrides=FLUX1_SINGLE_BLOCK)
+    out = export(ck, tmp_path / "out")
+    adapter_dir = out / "lora_adapter"
+    with safe_open(str(adapter_dir / WEIGHTS), framework="pt") as handle:
+        assert set(handle.keys()) == {f"lora_unet_single_blocks_0_{m}.{s}" for m in ("linear1", "linear2")
+                                      for s in ("lora_down.weight", "lora_up.weight", "alpha")}
+        assert handle.get_slice("lora_unet_single_blocks_0_linear1.lora_up.weight").get_shape() == [21504, 16]
+    pipe = pipeline_with("FluxPipeline", load_base(ck))
+    pipe.load_lora_weights(str(adapter_dir), weight_name=WEIGHTS, adapter_name="x")  # type: ignore[attr-defined]
+    expected = ck.forward("default")
+    got = run_tiny_forward(pipe.transformer.eval())  # type: ignore[attr-defined]
+    for a, b in zip(expected, got, strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
