@@ -52,6 +52,9 @@ CASES: dict[str, tuple[object, str, str]] = {
 }
 
 
+FULL_STATE = {"WanTransformer3DModel": "full_state"}  # the others are LoRA-only saves
+
+
 def make_config(targets: object, alpha: int = 8):
     return lambda name: LoraConfig(r=4, lora_alpha=alpha, target_modules=targets)  # type: ignore[arg-type]
 
@@ -74,7 +77,9 @@ def load_base(ck: LoraCheckpoint) -> torch.nn.Module:
 
 
 def export(ck: LoraCheckpoint, target: Path, adapter: str = "default") -> Path:
-    result = merge_model(ck.config(target, base_model="tiny-org/base", adapter_name=adapter, adapter_format="comfyui"))
+    # A LoRA-only adapter needs no local base (a Hub id is enough); a full-state save exports the model beside it.
+    base = "tiny-org/base" if ck.layout == "lora_only" else str(ck.base_dir)
+    result = merge_model(ck.config(target, base_model=base, adapter_name=adapter, adapter_format="comfyui"))
     return Path(result.output_dir)
 
 
@@ -83,7 +88,8 @@ def test_comfyui_lora_loads_with_load_lora_weights_and_reproduces_the_trained_fo
     tmp_path: Path, prefect_api: object, class_name: str
 ) -> None:
     targets, pipeline_class, key = CASES[class_name]
-    ck = build_lora_checkpoint(tmp_path, class_name, make_config(targets), world_size=3, layout="lora_only")
+    layout = FULL_STATE.get(class_name, "lora_only")
+    ck = build_lora_checkpoint(tmp_path, class_name, make_config(targets), world_size=3, layout=layout)
     out = export(ck, tmp_path / "out")
     adapter_dir = out / "lora_adapter"
     assert sorted(os.listdir(adapter_dir)) == ["lora_comfyui.safetensors", "merge_manifest.json"]
@@ -100,6 +106,10 @@ def test_comfyui_lora_loads_with_load_lora_weights_and_reproduces_the_trained_fo
     for a, b in zip(expected, got, strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
     assert validate_artifact(adapter_dir)["integrity"] == "passed"
+    if layout == "full_state":  # the model beside the adapter, and the root manifest lists the adapter's files
+        root = json.loads((out / "merge_manifest.json").read_text())
+        assert f"lora_adapter/{WEIGHTS}" in root["files"]
+        assert validate_artifact(out)["integrity"] == "passed"
 
 
 def delta(ck: LoraCheckpoint, module: str, adapter: str = "default") -> torch.Tensor:

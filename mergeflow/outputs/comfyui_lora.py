@@ -85,7 +85,8 @@ class ComfyuiLora(AdapterOutput):
         count = super().check_weights(root, manifest)
         entries, metadata, _ = read_header(root / self.weights_name)
         naming = naming_named(str(metadata.get(NAMING_METADATA_KEY)))
-        assert naming is not None  # check_metadata refused it
+        if naming is None:  # check_metadata (in super's check) refuses this first
+            raise ArtifactInvalidError(f"{self.weights_name}: header names no known LoRA naming")
         suffixes = (naming.down, naming.up, ALPHA_SUFFIX)
         for key in entries:
             if not key.startswith(naming.key_prefix) or not key.endswith(tuple(f".{s}" for s in suffixes)):
