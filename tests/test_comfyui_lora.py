@@ -22,7 +22,12 @@ from safetensors.torch import load_file, save_file
 from mergeflow import merge_model, validate_artifact
 from mergeflow.architectures.original_lora import naming_for
 from mergeflow.demo.checkpoints import run_tiny_forward
-from mergeflow.errors import ArtifactInvalidError, LoraError, UsageError
+from mergeflow.errors import (
+    ArtifactInvalidError,
+    LoraError,
+    SchemaMismatchError,
+    UsageError,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::RuntimeWarning", "ignore::FutureWarning")
 
@@ -269,3 +274,20 @@ def test_flux_single_block_linear1_loads_with_load_lora_weights_at_flux1_width(t
     got = run_tiny_forward(pipe.transformer.eval())  # type: ignore[attr-defined]
     for a, b in zip(expected, got, strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+
+
+def test_adapter_ops_build_the_block_up_with_zero_blocks_swaps_and_folded_scales() -> None:
+    from mergeflow.lora.adapter_ops import apply_adapter_op
+    from mergeflow.records import ArchitectureOp
+
+    b_q, b_v = torch.randn(3, 2), torch.randn(3, 4)
+    spec = ArchitectureOp("lora_up", (), {"rows": "3,3,3", "present": "1,0,1", "scale": 1.0, "swap_halves": 0})
+    up = apply_adapter_op(spec, [b_q, b_v])
+    assert torch.equal(up, torch.block_diag(b_q, torch.zeros(3, 0), b_v)) and up.shape == (9, 6)
+    swapped = apply_adapter_op(ArchitectureOp("lora_up", (), {"rows": "4", "present": "1", "scale": 2.0, "swap_halves": 1}),
+                               [torch.arange(8.0).reshape(4, 2)])
+    assert torch.equal(swapped, torch.tensor([[8.0, 10], [12, 14], [0, 2], [4, 6]]))
+    with pytest.raises(SchemaMismatchError, match="differ from"):
+        apply_adapter_op(ArchitectureOp("lora_up", (), {"rows": "3,4", "present": "1,1"}), [b_q, b_v])
+    alpha = apply_adapter_op(ArchitectureOp("lora_alpha", (), {"value": 24.0}), [])
+    assert alpha.shape == () and alpha.dtype == torch.float32 and alpha.item() == 24.0
