@@ -18,7 +18,7 @@ Operation = Literal["merge", "test"]
 Backend = Literal["fsdp"]
 OutputFormat = Literal["pipeline", "transformer", "single_file"]  # the built-in outputs: the served deployments' form
 Dtype = Literal["preserve", "float32", "float16", "bfloat16"]
-AdapterFormat = Literal["peft", "diffusers"]
+AdapterFormat = Literal["peft", "diffusers", "comfyui"]
 QkvLayout = Literal["interleaved", "stacked"]
 TaskRunner = Literal["thread", "dask"]
 

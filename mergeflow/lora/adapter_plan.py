@@ -57,7 +57,7 @@ def plan_lora_export(plan: MergePlan, layouts: dict[str, TensorLayout]) -> LoraP
         config = peft_adapter_config(settings, target_modules(selected), spec.base_model_name_or_path, saved or None)
         adapter_keys = adapter_output(spec.adapter_format).adapter_keys(spec.adapter_name, selected, saved)
     overrides = saved_module_overrides(keys, spec.adapter_name) if spec.fuse and spec.layout == FULL_STATE else {}
-    return LoraPlan(
+    lora = LoraPlan(
         adapter_name=spec.adapter_name,
         excluded_adapters=tuple(sorted(set(grouped) - {spec.adapter_name})),
         layout=spec.layout,
@@ -73,6 +73,9 @@ def plan_lora_export(plan: MergePlan, layouts: dict[str, TensorLayout]) -> LoraP
         adapter_keys=adapter_keys,
         adapter_config=config,
     )
+    if not spec.fuse:  # planned now so that a layout's refusal comes before any write
+        adapter_output(spec.adapter_format).adapter_writes(plan, lora, layouts)
+    return lora
 
 
 def _fusion_transforms(lora: LoraPlan, layouts: dict[str, TensorLayout]) -> dict[str, LoraFuse]:

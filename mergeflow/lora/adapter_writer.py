@@ -7,7 +7,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from mergeflow.export.publish import build_manifest
-from mergeflow.export.reconstruct.rebuild import output_dtype
 from mergeflow.formats.manifest import (
     MANIFEST_NAME,
     ConfigTransform,
@@ -29,7 +28,6 @@ from mergeflow.records import (
     ShardPlan,
     ShardRecord,
     TensorLayout,
-    TensorWrite,
     VerifiedFile,
 )
 from mergeflow.sources.registry import open_pieces
@@ -54,13 +52,9 @@ class AdapterExport:
 
 
 def _adapter_shard(plan: MergePlan, lora: LoraPlan, layouts: dict[str, TensorLayout]) -> ShardPlan:
-    policy, keep = plan.options.dtype, plan.output.keep_fp32
-    writes = tuple(
-        TensorWrite(out, src, layouts[src], output_dtype(out, layouts[src].dtype, policy, keep))
-        for out, src in sorted(lora.adapter_keys.items())
-    )
     output = adapter_output(lora.adapter_format)
-    metadata = output.header_metadata(lora.adapter_config or {})
+    writes = tuple(output.adapter_writes(plan, lora, layouts))
+    metadata = output.shard_metadata(plan, lora)
     name = output.weights_name
     body = [asdict(tw) for tw in writes]
     return ShardPlan(

@@ -24,6 +24,7 @@ from mergeflow.export.reconstruct.rebuild import (
     verified_chunks,
     verify_round_trip,
 )
+from mergeflow.lora.adapter_ops import ADAPTER_OPS, apply_adapter_op
 from mergeflow.lora.math import fuse_bias, fuse_weight
 from mergeflow.records import (
     ArchitectureOp,
@@ -81,7 +82,9 @@ def transformed_tensor(tw: TensorWrite, states: PieceSource, *, verify: bool = F
     spec = tw.transform
     if isinstance(spec, ArchitectureOp):  # architecture conversions: whole sources in, one tensor out
         inputs = [read_source(source, states, verify=verify) for source in spec.inputs]
-        return cast(apply_transform(spec, inputs), tw.out_dtype, tw.name).contiguous()  # type: ignore[arg-type]
+        # An exported adapter's own ops (a fused module's LoRA) or an architecture's conversion.
+        made = apply_adapter_op(spec, inputs) if spec.op in ADAPTER_OPS else apply_transform(spec, inputs)
+        return cast(made, tw.out_dtype, tw.name).contiguous()  # type: ignore[arg-type]
     if spec is None:
         raise CheckpointError(f"{tw.name}: no tensor transform to compute")
     expect = tw.layout if isinstance(spec.base, BaseModelSource) else None

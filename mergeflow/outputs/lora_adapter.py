@@ -22,6 +22,8 @@ from mergeflow.outputs.base import ArtifactOutput, BaseNeed, SelectedBy
 
 if TYPE_CHECKING:
     from mergeflow.lora.keys import AdapterModuleKeys
+    from mergeflow.lora.plan import LoraPlan
+    from mergeflow.records import MergePlan, TensorLayout, TensorWrite
 
 ADAPTER_ARTIFACT_TYPE = "peft_adapter"
 
@@ -45,6 +47,21 @@ class AdapterOutput(ArtifactOutput):
     @abstractmethod
     def header_metadata(self, adapter_config: Mapping[str, Any]) -> dict[str, str]:
         """The weights file's safetensors header metadata."""
+
+    def adapter_writes(self, plan: MergePlan, lora: LoraPlan, layouts: Mapping[str, TensorLayout]) -> list[TensorWrite]:
+        """The weights file's tensors; by default each a plain copy of its checkpoint key (`lora.adapter_keys`)."""
+        from mergeflow.export.reconstruct.rebuild import (
+            output_dtype,  # torch: only when planning writes
+        )
+        from mergeflow.records import TensorWrite
+
+        policy, keep = plan.options.dtype, plan.output.keep_fp32
+        return [TensorWrite(out, src, layouts[src], output_dtype(out, layouts[src].dtype, policy, keep))
+                for out, src in sorted(lora.adapter_keys.items())]
+
+    def shard_metadata(self, plan: MergePlan, lora: LoraPlan) -> dict[str, str]:
+        """The header metadata of this export's weights file (by default `header_metadata` of its config)."""
+        return self.header_metadata(lora.adapter_config or {})
 
     def extra_files(self, adapter_config: Mapping[str, Any]) -> list[tuple[str, bytes]]:
         """Files written beside the weights (name, bytes), listed in the adapter's manifest."""

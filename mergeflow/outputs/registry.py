@@ -14,6 +14,7 @@ from mergeflow.config import add_output_format, remove_output_format
 from mergeflow.errors import ArtifactInvalidError, SchemaMismatchError, UsageError
 from mergeflow.formats.manifest import ManifestDocument
 from mergeflow.outputs.base import ArtifactOutput, ModelOutput
+from mergeflow.outputs.comfyui_lora import ComfyuiLora
 from mergeflow.outputs.diffusers_lora import DiffusersLora
 from mergeflow.outputs.diffusers_pipeline import DiffusersPipeline
 from mergeflow.outputs.diffusers_transformer import DiffusersTransformer
@@ -25,7 +26,8 @@ if TYPE_CHECKING:
     from mergeflow.records import MergePlan, OutputPlan, TensorWrite
 
 # Order matters only for listings: the first output_format row is the --output_format default's.
-_BUILTIN: tuple[ArtifactOutput, ...] = (DiffusersPipeline(), DiffusersTransformer(), SingleFile(), PeftAdapter(), DiffusersLora())
+_BUILTIN: tuple[ArtifactOutput, ...] = (DiffusersPipeline(), DiffusersTransformer(), SingleFile(), PeftAdapter(), DiffusersLora(),
+                                        ComfyuiLora())
 _OUTPUTS: dict[str, ArtifactOutput] = {}
 
 
