@@ -72,6 +72,11 @@ class ArchitectureAdapter:
         """The tensor one of `ops` makes from its whole source tensors."""
         raise SchemaMismatchError(f"unknown tensor transform {spec.op!r}")
 
+    def concatenates(self, spec: ArchitectureOp) -> bool:
+        """Whether the op's output bytes are its inputs' bytes one after another (the writer then streams
+        each input as a tensor of its own, never building the output)."""
+        return False
+
     def check_lora(self, layout: str, fuse: bool) -> None:
         """Refuse a LoRA export this architecture's base cannot take (any is fine by default)."""
 

@@ -257,5 +257,9 @@ class OriginalLayoutConversion(ArchitectureAdapter):
     def apply_op(self, spec: ArchitectureOp, inputs: list[torch.Tensor]) -> torch.Tensor:
         return apply(spec.op, inputs)
 
+    def concatenates(self, spec: ArchitectureOp) -> bool:
+        # Row blocks along dim 0 of row-major tensors: the fused tensor's bytes are its sources' bytes in order.
+        return spec.op == "cat"
+
 
 ORIGINAL_LAYOUT = OriginalLayoutConversion()

@@ -40,7 +40,7 @@ class FollowingReadBack:
         self.entries = entries
         self.states = states
         self.checked = 0
-        self._queue: queue.Queue[tuple[TensorWrite, list[torch.Tensor] | None] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[TensorWrite, list[torch.Tensor] | None, int | None] | None] = queue.Queue()
         # Cast pieces stay alive until compared: at most RETAINED_BYTES of them (or one tensor) wait.
         self._retained = 0
         self._room = threading.Condition()
@@ -50,11 +50,13 @@ class FollowingReadBack:
         self._thread = threading.Thread(target=self._run, name="read-back", daemon=True)
         self._thread.start()
 
-    def submit(self, tw: TensorWrite, written: list[torch.Tensor] | None = None) -> None:
+    def submit(self, tw: TensorWrite, written: list[torch.Tensor] | None = None, begin: int | None = None) -> None:
         """Queue a tensor whose bytes are fully written; raises early if an earlier one failed.
 
         `written`: the pieces a cast produced (each a rank shard cast on its own, in rank order),
         compared with the file instead of the rank shards; their finiteness was checked at the cast.
+        `begin`: where its bytes start in the data section, when it is a part of a file tensor (a
+        fused tensor's row block); else its own header entry says.
         """
         if self._error is not None:
             raise self._error
@@ -65,7 +67,7 @@ class FollowingReadBack:
                     raise self._error or CheckpointError(f"{self.path.name}: the read-back stopped")
                 self._room.wait(timeout=0.5)
             self._retained += nbytes
-        self._queue.put((tw, written))
+        self._queue.put((tw, written, begin))
 
     def finish(self) -> int:
         """Wait until every queued tensor is compared; returns how many were, raises the first failure."""
@@ -89,8 +91,8 @@ class FollowingReadBack:
         buffer = bytearray(BLOCK)
         try:
             while (item := self._queue.get()) is not _DONE and not self._stop.is_set():
-                tw, written = item
-                offset = self.data_start + self.entries[tw.name].begin
+                tw, written, begin = item
+                offset = self.data_start + (self.entries[tw.name].begin if begin is None else begin)
                 if written is None:
                     compare_tensor(self._handle, buffer, offset, tw, self.states, self.path.name)
                 else:

@@ -12,9 +12,11 @@ from pathlib import Path
 import torch
 
 from mergeflow.errors import CheckpointError
+from mergeflow.architectures.registry import adapter_for_op
 from mergeflow.export.reconstruct.rebuild import (
     PieceSource,
     global_pieces,
+    in_rank_order,
     is_cast_in_rank_order,
     is_streamed,
     primary_chunks,
@@ -40,7 +42,14 @@ from mergeflow.io.session import active_session, current_session, sha256_file
 from mergeflow.io.staging import file_stamp
 from mergeflow.io.streamio import BackgroundFlush, HashingWriter
 from mergeflow.lora.fusion import transformed_tensor, verify_transformed
-from mergeflow.records import OutputPlan, ShardPlan, ShardRecord, TensorWrite
+from mergeflow.records import (
+    ArchitectureOp,
+    CheckpointSource,
+    OutputPlan,
+    ShardPlan,
+    ShardRecord,
+    TensorWrite,
+)
 
 WRITE_BLOCK = 16 * 1024 * 1024
 HEADER_METADATA = {"format": "pt"}
@@ -158,33 +167,62 @@ def _stream_shard(fd: int, header: bytes, entries: dict[str, HeaderEntry], order
         writer.write(memoryview(header))
         for tw in ordered:
             raise_if_stopped()  # Ctrl-C / SIGTERM: stop between tensors, keep the finished shards
-            # A transform (LoRA fusion) computes the tensor from its sources; otherwise stream the rank pieces.
-            streamed = tw.transform is None and is_streamed(tw.layout, tw.out_dtype)
-            cast_pieces = tw.transform is None and is_cast_in_rank_order(tw.layout, tw.out_dtype)
-            if tw.transform is not None:
-                pieces: Iterable[torch.Tensor] = [transformed_tensor(tw, states)]
-            else:
-                # Finiteness: folded into the read-back for streamed tensors, proven by the cast's
-                # own output check for cast ones (a cast keeps inf/nan); scanned here otherwise.
-                chunks = verified_chunks(tw.layout, states, check_values=not (streamed or cast_pieces))
-                pieces = global_pieces(tw.layout, chunks, tw.out_dtype, tw.name)
-                if cast_pieces:
-                    pieces = list(pieces)  # kept until the read-back has compared them with the file
+            begin = entries[tw.name].begin
             written = 0
-            for piece in pieces:
-                raise_if_stopped()
-                written += writer.write(_as_bytes(piece))
-            if written != entries[tw.name].end - entries[tw.name].begin:
-                raise CheckpointError(f"{tw.name}: wrote {written} bytes, expected {entries[tw.name].end - entries[tw.name].begin}")
-            if streamed:
-                follow.submit(tw)
-            elif cast_pieces:
-                follow.submit(tw, list(pieces))
+            # A fused tensor whose bytes are its sources' one after another is written (and read back)
+            # source by source, like plain tensors at their offsets: never built whole in memory.
+            for part in streamed_parts(tw) or [tw]:
+                written += _write_tensor(writer, part, states, follow, begin + written)
+            if written != entries[tw.name].end - begin:
+                raise CheckpointError(f"{tw.name}: wrote {written} bytes, expected {entries[tw.name].end - begin}")
             if session is not None:
                 session.writes.report(written, 1)
         return writer.hexdigest()
     finally:
         writer.close()
+
+
+def _write_tensor(writer: HashingWriter, tw: TensorWrite, states: PieceSource, follow: FollowingReadBack,
+                  begin: int) -> int:
+    """Write one tensor's bytes (at `begin` of the data section) and queue its read-back; returns the bytes written."""
+    # A transform (LoRA fusion) computes the tensor from its sources; otherwise stream the rank pieces.
+    streamed = tw.transform is None and is_streamed(tw.layout, tw.out_dtype)
+    cast_pieces = tw.transform is None and is_cast_in_rank_order(tw.layout, tw.out_dtype)
+    if tw.transform is not None:
+        pieces: Iterable[torch.Tensor] = [transformed_tensor(tw, states)]
+    else:
+        # Finiteness: folded into the read-back for streamed tensors, proven by the cast's
+        # own output check for cast ones (a cast keeps inf/nan); scanned here otherwise.
+        chunks = verified_chunks(tw.layout, states, check_values=not (streamed or cast_pieces))
+        pieces = global_pieces(tw.layout, chunks, tw.out_dtype, tw.name)
+        if cast_pieces:
+            pieces = list(pieces)  # kept until the read-back has compared them with the file
+    written = 0
+    for piece in pieces:
+        raise_if_stopped()
+        written += writer.write(_as_bytes(piece))
+    if streamed:
+        follow.submit(tw, begin=begin)
+    elif cast_pieces:
+        follow.submit(tw, list(pieces), begin=begin)
+    return written
+
+
+def streamed_parts(tw: TensorWrite) -> list[TensorWrite] | None:
+    """The checkpoint tensors whose bytes, one after another, are `tw`'s (an original layout's fused row
+    blocks), each a write of its own; None when `tw` is not such a tensor.
+
+    Only sources in rank order qualify: each is then streamed from its rank pieces (or cast piece by
+    piece) and compared with them by the read-back, exactly as a plain tensor is.
+    """
+    spec = tw.transform
+    if not isinstance(spec, ArchitectureOp) or not adapter_for_op(spec.op).concatenates(spec):
+        return None
+    sources = spec.inputs
+    if not all(isinstance(s, CheckpointSource) and in_rank_order(s.layout) for s in sources):
+        return None  # a fused LoRA weight or another layout: computed whole, verified by recomputing it
+    return [TensorWrite(f"{tw.name} (rows of {s.layout.key})", s.layout.key, s.layout, tw.out_dtype)
+            for s in sources if isinstance(s, CheckpointSource)]
 
 
 def open_tensors(path: Path, expected_metadata: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
@@ -243,8 +281,11 @@ def verify_written_shard(path: Path, shard: ShardPlan, states: PieceSource, head
 
 
 def read_back_while_writing(tw: TensorWrite) -> bool:
-    """Streamed and cast-in-rank-order tensors are compared by the read-back that follows the writer."""
-    return tw.transform is None and (is_streamed(tw.layout, tw.out_dtype) or is_cast_in_rank_order(tw.layout, tw.out_dtype))
+    """Streamed and cast-in-rank-order tensors (and the parts of a streamed fused tensor, which are always
+    one or the other) are compared by the read-back that follows the writer."""
+    if tw.transform is None:
+        return is_streamed(tw.layout, tw.out_dtype) or is_cast_in_rank_order(tw.layout, tw.out_dtype)
+    return streamed_parts(tw) is not None
 
 
 def _reusable(record_path: Path, final: Path, shard: ShardPlan) -> ShardRecord | None:
