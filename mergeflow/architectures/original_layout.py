@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from mergeflow.architectures.adapters import AdapterParams, ArchitectureAdapter
+from mergeflow.architectures.class_plugins import plugin_for
 from mergeflow.errors import SchemaMismatchError
 
 if TYPE_CHECKING:
@@ -93,13 +94,8 @@ NO_SINGLE_FILE: dict[str, str] = {
 
 def layout_for(transformer_class: str) -> OriginalLayout:
     """The original layout of a transformer class, or a refusal naming the classes that have one."""
-    if transformer_class in NO_SINGLE_FILE:
-        raise SchemaMismatchError(NO_SINGLE_FILE[transformer_class])
-    module = _LAYOUT_MODULES.get(transformer_class)
-    if module is None:
-        raise SchemaMismatchError(f"--output_format single_file has no original layout for {transformer_class}; "
-                                  f"it knows {', '.join(sorted(_LAYOUT_MODULES))}")
-    layout: OriginalLayout = importlib.import_module(f"mergeflow.architectures.{module}").ORIGINAL
+    layout: OriginalLayout = plugin_for(transformer_class, _LAYOUT_MODULES, NO_SINGLE_FILE, "ORIGINAL",
+                                        SchemaMismatchError, "--output_format single_file has no original layout")
     return layout
 
 

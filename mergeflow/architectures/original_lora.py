@@ -17,10 +17,10 @@ Module imports stay light (no torch): the pre-flight and `test` import the outpu
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from mergeflow.architectures.class_plugins import plugin_for
 from mergeflow.errors import LoraError
 
 
@@ -66,13 +66,8 @@ NO_COMFYUI_LORA: dict[str, str] = {
 
 def naming_for(transformer_class: str) -> LoraNaming:
     """The LoRA naming of a transformer class, or a refusal naming the classes that have one."""
-    if transformer_class in NO_COMFYUI_LORA:
-        raise LoraError(NO_COMFYUI_LORA[transformer_class])
-    module = _NAMING_MODULES.get(transformer_class)
-    if module is None:
-        raise LoraError(f"--adapter-format comfyui has no LoRA naming for {transformer_class}; it knows "
-                        f"{', '.join(sorted(_NAMING_MODULES))}")
-    naming: LoraNaming = importlib.import_module(f"mergeflow.architectures.{module}").LORA_NAMING
+    naming: LoraNaming = plugin_for(transformer_class, _NAMING_MODULES, NO_COMFYUI_LORA, "LORA_NAMING", LoraError,
+                                    "--adapter-format comfyui has no LoRA naming")
     return naming
 
 
