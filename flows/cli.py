@@ -17,10 +17,12 @@ from mergeflow.config import (
     DEFAULT_DTYPE,
     DEFAULT_MAX_SHARD_SIZE,
     DEFAULT_OUTPUT_FORMAT,
+    DEFAULT_QUANTIZE,
     DEFAULT_WORKERS,
     DTYPES,
     OUTPUT_FORMATS,
     QKV_LAYOUTS,
+    QUANTIZATIONS,
     ModelMergerConfig,
     PublishedMerge,
     UploadSummary,
@@ -172,6 +174,8 @@ def build_parser(more: Verbs = NO_VERBS) -> argparse.ArgumentParser:
     _flag(merge, "--component", default="transformer", help="pipeline component the checkpoint replaces")
     _flag(merge, "--qkv-layout", "--qkv_layout", dest="qkv_layout", default="interleaved", choices=QKV_LAYOUTS,
           help="fused QKV layout of MiniMax H3's native package")
+    _flag(merge, "--quantize", default=DEFAULT_QUANTIZE, choices=QUANTIZATIONS,
+          help="weight encoding: fp8 (single_file: ComfyUI's scaled float8), bf16 or q8_0 (gguf); none keeps --dtype")
     _flag(merge, "--workers", type=int, default=DEFAULT_WORKERS, help="parallel shard writers")
     _flag(merge, "--allow-unchanged", "--allow_unchanged", dest="allow_unchanged", action="store_true",
           help="publish even when every exported tensor equals the base's bit for bit (refused otherwise)")

@@ -20,6 +20,10 @@ OutputFormat = Literal["pipeline", "transformer", "single_file"]  # the built-in
 Dtype = Literal["preserve", "float32", "float16", "bfloat16"]
 AdapterFormat = Literal["peft", "diffusers", "comfyui"]
 QkvLayout = Literal["interleaved", "stacked"]
+# --quantize: how a deployable single file's weights are encoded. "none" keeps the export's dtype;
+# fp8 is ComfyUI's scaled float8 (single_file), bf16 and q8_0 are GGUF encodings (gguf). Which
+# output takes which value is the output's own (ModelOutput.quantizations).
+Quantize = Literal["none", "fp8", "bf16", "q8_0"]
 TaskRunner = Literal["thread", "dask"]
 
 
@@ -45,10 +49,12 @@ OUTPUT_FORMATS: Sequence[str] = _OUTPUT_CHOICES
 DTYPES: tuple[Dtype, ...] = get_args(Dtype)
 ADAPTER_FORMATS: tuple[AdapterFormat, ...] = get_args(AdapterFormat)
 QKV_LAYOUTS: tuple[QkvLayout, ...] = get_args(QkvLayout)
+QUANTIZATIONS: tuple[Quantize, ...] = get_args(Quantize)
 TASK_RUNNERS: tuple[TaskRunner, ...] = get_args(TaskRunner)
 DEFAULT_OUTPUT_FORMAT: OutputFormat = "pipeline"
 DEFAULT_ADAPTER_FORMAT: AdapterFormat = "peft"
 DEFAULT_DTYPE: Dtype = "preserve"
+DEFAULT_QUANTIZE: Quantize = "none"
 DEFAULT_MAX_SHARD_SIZE = 2 * 1024**3
 DEFAULT_WORKERS = 2
 MAX_WORKERS = 256  # parallel shard writers; on Dask each one a local process
@@ -81,6 +87,7 @@ class ModelMergerConfig:
     adapter_config: str | None = None
     qkv_layout: QkvLayout = "interleaved"
     workers: int = DEFAULT_WORKERS
+    quantize: Quantize = DEFAULT_QUANTIZE  # the weights' encoding, for the outputs that offer one (--quantize)
     allow_unchanged: bool = False  # publish even when every tensor equals the base's (mergeflow/export/check/unchanged.py)
 
     def __post_init__(self) -> None:
@@ -131,6 +138,8 @@ class ModelMergerConfig:
             raise UsageError(f"--adapter-name must be non-empty and contain no '.', not {self.adapter_name!r}")
         if self.adapter_format not in ADAPTER_FORMATS:
             raise UsageError(f"--adapter-format must be one of {', '.join(ADAPTER_FORMATS)}")
+        if self.quantize not in QUANTIZATIONS:
+            raise UsageError(f"--quantize must be one of {', '.join(QUANTIZATIONS)}, not {self.quantize!r}")
         if self.qkv_layout not in QKV_LAYOUTS:
             raise UsageError(f"--qkv-layout must be one of {', '.join(QKV_LAYOUTS)}")
         if not self.component or "/" in self.component or self.component.startswith("."):

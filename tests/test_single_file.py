@@ -265,3 +265,26 @@ def test_a_config_outside_the_architecture_s_map_is_refused_before_any_write(tmp
     assert len(errors) == 1 and "image_embedder.pos_embed" in errors[0], done.stderr[-2000:]
     assert "writing" not in done.stderr and not (tmp_path / "out").exists()
     assert not list(tmp_path.glob(".out*")), "a refused export left staging or a lock behind"
+
+
+@pytest.mark.parametrize(("output_format", "quantize", "message"), [
+    ("transformer", "fp8", "--quantize fp8 is not available with --output_format transformer"),
+    ("pipeline", "q8_0", "--quantize q8_0 is not available with --output_format pipeline"),
+])
+def test_a_quantization_the_output_does_not_write_is_refused_before_any_work(
+        tmp_path: Path, prefect_api: object, output_format: str, quantize: str, message: str) -> None:
+    from mergeflow.errors import UsageError
+
+    ex = make_export(tmp_path / "ckpt", "QwenImageTransformer2DModel", world_size=1)
+    with pytest.raises(UsageError, match=message):
+        merge_model(ex.config(tmp_path / "out", output_format=output_format, quantize=quantize))
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_unknown_quantization_is_refused() -> None:
+    from mergeflow import ModelMergerConfig
+    from mergeflow.errors import UsageError
+
+    config = ModelMergerConfig(local_dir="ckpt", target_dir="out", base_model="base", quantize="int4")  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="--quantize must be one of none, fp8, bf16, q8_0, not 'int4'"):
+        config.validate()

@@ -140,6 +140,20 @@ class ModelOutput(ArtifactOutput):
     """An output planned from a local base model and the checkpoint's model config."""
 
     selected_by: ClassVar[SelectedBy] = "output_format"
+    # The --quantize values this output writes besides "none" (fp8 for a single file, bf16/q8_0 for GGUF).
+    quantizations: ClassVar[tuple[str, ...]] = ()
+    # Whether it writes nothing without one (a GGUF file is always an encoding): "none" is refused.
+    needs_quantize: ClassVar[bool] = False
+
+    def check_quantize(self, config: ModelMergerConfig) -> None:
+        """Refuse a --quantize value this output does not write (pre-flight and plan)."""
+        if config.quantize == "none" and self.needs_quantize:
+            raise UsageError(f"--output_format {self.option_value} needs --quantize "
+                             f"({' or '.join(self.quantizations)})")
+        if config.quantize != "none" and config.quantize not in self.quantizations:
+            offered = f"it takes {', '.join(self.quantizations)}" if self.quantizations else "it writes no quantized weights"
+            raise UsageError(f"--quantize {config.quantize} is not available with --output_format {self.option_value}: "
+                             f"{offered}")
 
     def check_base(self, config: ModelMergerConfig, layout: BaseLayout) -> None:
         """Refuse a base of the wrong kind, before any work (pre-flight and plan)."""

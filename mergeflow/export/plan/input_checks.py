@@ -76,8 +76,11 @@ def check_base_fits(config: ModelMergerConfig, base: Path) -> BaseLayout:
 
 
 def check_output_format(config: ModelMergerConfig, layout: BaseLayout) -> None:
-    """The output's need of the base (a pipeline output needs a pipeline base); said before any work."""
-    model_output(config.output_format).check_base(config, layout)
+    """The output's need of the base (a pipeline output needs a pipeline base) and its --quantize values;
+    said before any work."""
+    output = model_output(config.output_format)
+    output.check_quantize(config)
+    output.check_base(config, layout)
 
 
 def _check_lora_flag_values(config: ModelMergerConfig) -> None:
