@@ -273,6 +273,8 @@ class ShardRecord:
     plan_fingerprint: str
     # The file's stamp right after its bytes were proven equal to the hashed stream.
     verified_stamp: FileStamp
+    # "0x" + sha256 of the data section, for a file whose header carries it (modelspec.hash_sha256).
+    data_sha256: str | None = None
 
     def verified(self) -> "VerifiedFile":
         return VerifiedFile(self.sha256, self.verified_stamp)

@@ -155,6 +155,35 @@ def test_test_refuses_a_header_without_modelspec(tmp_path: Path, published_qwen:
         validate_artifact(out)
 
 
+def test_the_header_carries_the_sha256_of_the_data_as_modelspec_reads_it(published_qwen: Path) -> None:
+    import struct
+
+    from safetensors import safe_open
+
+    raw = (published_qwen / FILE).read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    with safe_open(str(published_qwen / FILE), framework="pt") as handle:
+        value = handle.metadata()["modelspec.hash_sha256"]
+    # ModelSpec's hash (kohya's precalculate_safetensors_hashes): the tensors' bytes one after another,
+    # here in the file's order, without the header.
+    assert value == "0x" + hashlib.sha256(raw[8 + length:]).hexdigest()
+    manifest = json.loads((published_qwen / "merge_manifest.json").read_text())
+    assert manifest["original_layout"]["modelspec_hash_sha256"] == value
+    assert manifest["files"][FILE] == hashlib.sha256(raw).hexdigest()  # the whole file, header included
+
+
+def test_test_refuses_a_header_hash_that_is_not_the_recorded_one(tmp_path: Path, published_qwen: Path) -> None:
+    out = _copy(published_qwen, tmp_path / "a")
+    from safetensors import safe_open
+
+    with safe_open(str(out / FILE), framework="pt") as handle:
+        metadata = handle.metadata()
+    _rewrite(out / FILE, lambda state: state, metadata={**metadata, "modelspec.hash_sha256": "0x" + "1" * 64})
+    _consistent_manifest(out)
+    with pytest.raises(ArtifactInvalidError, match="modelspec.hash_sha256"):
+        validate_artifact(out)
+
+
 def test_an_architecture_without_a_single_file_loader_is_refused_in_one_line() -> None:
     with pytest.raises(SchemaMismatchError, match="Boogu-Image has no single-file loader"):
         layout_for("BooguImageTransformer2DModel")

@@ -104,7 +104,7 @@ def build_manifest(
         checkpoint=source_named(plan.checkpoint.format).checkpoint_record(plan.checkpoint),
         lora_fusion=lora_fusion,
         unchanged_check=unchanged,
-        original_layout=output_of(plan).manifest_layout_record(plan),
+        original_layout=output_of(plan).manifest_layout_record(plan, shards),
     )
 
 

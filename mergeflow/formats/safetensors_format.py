@@ -56,6 +56,17 @@ class HeaderEntry:
     end: int
 
 
+# The ModelSpec convention (kohya's sd-scripts, musubi-tuner): "0x" + the sha256 of the tensor data,
+# the bytes after the header, so that editing the metadata leaves it unchanged. A writer that finds this
+# key in a file's metadata fills it in; until then it holds a placeholder of the same length.
+DATA_HASH_KEY = "modelspec.hash_sha256"
+DATA_HASH_PLACEHOLDER = "0x" + "0" * 64
+
+
+def data_hash_value(hexdigest: str) -> str:
+    return f"0x{hexdigest}"
+
+
 def build_header(tensors: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]) -> tuple[bytes, dict[str, HeaderEntry]]:
     """Header bytes (length prefix included) for tensors laid out in the given order."""
     header: dict[str, object] = {"__metadata__": metadata}

@@ -21,9 +21,10 @@ class HashingWriter:
     few blocks alive, so memory stays flat however large the stream is.
     """
 
-    def __init__(self, fd: int, depth: int = 8, flush: "BackgroundFlush | None" = None) -> None:
+    def __init__(self, fd: int, depth: int = 8, flush: "BackgroundFlush | None" = None, start: int = 0) -> None:
         self.fd = fd
         self.flush = flush
+        self.start = start  # where the stream begins in the file (bytes written before it are not hashed)
         self.bytes = 0
         self._digest = hashlib.sha256()
         self._queue: queue.Queue[memoryview | None] = queue.Queue(maxsize=depth)
@@ -40,7 +41,7 @@ class HashingWriter:
         view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
         for start in range(0, len(view), BLOCK):
             block = view[start : start + BLOCK]
-            end = self.bytes + start + len(block)
+            end = self.start + self.bytes + start + len(block)
             self._queue.put(block)
             while len(block):
                 block = block[os.write(self.fd, block) :]

@@ -20,7 +20,7 @@ from mergeflow.formats.manifest import ManifestDocument
 from mergeflow.formats.model_config import ModelConfig
 
 if TYPE_CHECKING:  # torch behind records and targets: named for type checkers only
-    from collections.abc import Mapping
+    from collections.abc import Mapping, Sequence
 
     from mergeflow.architectures.registry import BaseLayout
     from mergeflow.config import ModelMergerConfig
@@ -111,8 +111,9 @@ class ArtifactOutput(ABC):
         """Each artifact tensor's parts in the Diffusers names (the unchanged-weights guard's map); None: the same names."""
         return None
 
-    def manifest_layout_record(self, plan: MergePlan) -> dict[str, Any] | None:
-        """The manifest's `original_layout` record, for an output that renames and fuses tensors (default: none)."""
+    def manifest_layout_record(self, plan: MergePlan, shards: Sequence[ShardRecord] = ()) -> dict[str, Any] | None:
+        """The manifest's `original_layout` record, for an output that renames and fuses tensors (default: none);
+        `shards`: the files written, whose records it may cite."""
         return None
 
     # -- what `test` checks --------------------------------------------------------------------

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from mergeflow.errors import ArtifactInvalidError, SchemaMismatchError, UsageError
 from mergeflow.formats.manifest import ManifestDocument
-from mergeflow.formats.safetensors_format import read_header
+from mergeflow.formats.safetensors_format import DATA_HASH_KEY, DATA_HASH_PLACEHOLDER, read_header
 from mergeflow.outputs.base import SINGLE_SAFETENSORS, WeightsWriter
 from mergeflow.outputs.checks import check_manifest_tensors
 from mergeflow.outputs.diffusers_transformer import WEIGHTS_NAME, DiffusersTransformer
@@ -35,13 +35,15 @@ if TYPE_CHECKING:
     from mergeflow.config import ModelMergerConfig
     from mergeflow.export.plan.targets import TargetSchema
     from mergeflow.formats.model_config import ModelConfig
-    from mergeflow.records import MergePlan
+    from mergeflow.records import MergePlan, ShardRecord
 
 ARTIFACT_TYPE = "single_file"
 MODELSPEC_VERSION = "1.0.0"
 # The header keys every single file carries (SAI's ModelSpec: modelspec.* as kohya's tools and ComfyUI read them).
 MODELSPEC_KEYS = ("modelspec.sai_model_spec", "modelspec.architecture", "modelspec.implementation",
-                  "modelspec.title", "modelspec.date")
+                  "modelspec.title", "modelspec.date", DATA_HASH_KEY)
+# The manifest's record of the data hash the writer put in the header (proven from the bytes written).
+DATA_HASH_RECORD = "modelspec_hash_sha256"
 MERGEFLOW_KEY = "mergeflow"  # mergeflow's own record in the header: producer version, layout, Diffusers class
 
 
@@ -103,6 +105,7 @@ class SingleFile(DiffusersTransformer):
             "modelspec.implementation": original.implementation,
             "modelspec.title": _title(config),
             "modelspec.date": _checkpoint_date(config),
+            DATA_HASH_KEY: DATA_HASH_PLACEHOLDER,  # the writer fills it in (the data's sha256)
         }
         resolution = original.resolution(schema.fields)
         if resolution is not None:
@@ -128,11 +131,19 @@ class SingleFile(DiffusersTransformer):
         missing = [k for k in MODELSPEC_KEYS if not metadata.get(k)]
         if missing:
             raise ArtifactInvalidError(f"{weights[0]}: header metadata lacks {', '.join(missing)}")
+        # The file's sha256 (checked against the manifest before this) pins the header; the recorded
+        # value was hashed from the very data bytes the export wrote and read back.
+        if metadata[DATA_HASH_KEY] != record.get(DATA_HASH_RECORD):
+            raise ArtifactInvalidError(f"{weights[0]}: its {DATA_HASH_KEY} is not the data hash the manifest records")
         check_key_map(record, manifest["tensors"])
         return count
 
-    def manifest_layout_record(self, plan: MergePlan) -> dict[str, Any] | None:
-        return key_map_record(plan)
+    def manifest_layout_record(self, plan: MergePlan, shards: Sequence[ShardRecord] = ()) -> dict[str, Any] | None:
+        record = key_map_record(plan)
+        hashes = [s.data_sha256 for s in shards if s.data_sha256]
+        if len(hashes) == 1:
+            record[DATA_HASH_RECORD] = hashes[0]
+        return record
 
     def tensor_sources(self, plan: MergePlan) -> dict[str, list[list[Any]]] | None:
         return dict(key_map_record(plan)["key_map"])

@@ -6,6 +6,7 @@ import json
 import os
 import warnings
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
@@ -26,9 +27,11 @@ from mergeflow.export.reconstruct.rebuild import (
 from mergeflow.export.write.readback import FollowingReadBack, read_exact
 from mergeflow.formats.manifest import fingerprint
 from mergeflow.formats.safetensors_format import (
+    DATA_HASH_KEY,
     DTYPES,
     HeaderEntry,
     build_header,
+    data_hash_value,
     nbytes,
     read_header,
     torch_dtype,
@@ -120,20 +123,37 @@ def _write_shard_file(shard: ShardPlan, states: PieceSource, artifact_dir: Path,
     if reused is not None:
         return reused
     ordered = file_order(shard.tensors)
-    header, entries = build_header([(t.name, t.out_dtype, t.layout.shape) for t in ordered], shard.metadata or HEADER_METADATA)
+    layout = [(t.name, t.out_dtype, t.layout.shape) for t in ordered]
+    metadata = shard.metadata or HEADER_METADATA
+    # A file whose header names its data's hash (ModelSpec's modelspec.hash_sha256) is written data
+    # first under a placeholder of the same length; the data's hash, taken while writing, then goes
+    # into the header, and the file's own sha256 is taken from the finished file.
+    hash_in_header = DATA_HASH_KEY in metadata
+    header, entries = build_header(layout, metadata)
     partial = work_dir / f"{shard.file_name}.partial"
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     flush = BackgroundFlush(fd)
+    data_digest: str | None = None
     try:
         follow = FollowingReadBack(partial, len(header), entries, states)
         try:
-            digest = _stream_shard(fd, header, entries, ordered, states, follow, flush)
+            digest = _stream_shard(fd, header, entries, ordered, states, follow, flush, not hash_in_header)
         except BaseException:
             follow.abort()
             raise
+        file_hash: Future[str] | None = None
+        if hash_in_header:
+            data_digest = data_hash_value(digest)
+            metadata = {**metadata, DATA_HASH_KEY: data_digest}
+            header = _rewrite_header(fd, header, layout, metadata)
         flush.fsync()  # the disk flush overlaps the checks that are left, which only need the page cache
-        follow.finish()
-        verify_written_shard(partial, shard, states, header)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256-file") as pool:
+            if hash_in_header:  # hashed from the page cache while the checks below run on the other core
+                file_hash = pool.submit(sha256_file, partial)
+            follow.finish()
+            verify_written_shard(partial, shard, states, header, metadata)
+            if file_hash is not None:
+                digest = file_hash.result()
         flush.check()
     except BaseException:
         flush.abandon()
@@ -149,22 +169,41 @@ def _write_shard_file(shard: ShardPlan, states: PieceSource, artifact_dir: Path,
         tensors={t.name: (t.out_dtype, t.layout.shape) for t in ordered},
         plan_fingerprint=shard.fingerprint,
         verified_stamp=FileStamp.of(final),
+        data_sha256=data_digest,
     )
     # The stamp lets a rerun's cache key tell an intact staged file from a changed one.
     write_json_durable(record_path, {**asdict(record), "stamp": file_stamp(final)})
     return record
 
 
+def _rewrite_header(fd: int, placeholder: bytes, layout: list[tuple[str, str, tuple[int, ...]]],
+                    metadata: dict[str, str]) -> bytes:
+    """Write the final header over the placeholder (same length, so every data offset stands)."""
+    header, _ = build_header(layout, metadata)
+    if len(header) != len(placeholder):
+        raise CheckpointError(f"the final header is {len(header)} bytes, its placeholder {len(placeholder)}")
+    view = memoryview(header)
+    while len(view):
+        view = view[os.pwrite(fd, view, len(header) - len(view)) :]
+    return header
+
+
 def _stream_shard(fd: int, header: bytes, entries: dict[str, HeaderEntry], ordered: list[TensorWrite], states: PieceSource,
-                  follow: FollowingReadBack, flush: BackgroundFlush) -> str:
-    """Write the header and every tensor's bytes in file order; returns the sha256 of the stream.
+                  follow: FollowingReadBack, flush: BackgroundFlush, hash_header: bool = True) -> str:
+    """Write the header and every tensor's bytes in file order; returns the sha256 of the stream
+    (without the header when `hash_header` is False: the data section's).
 
     Each streamed tensor is handed to `follow` once written, to be read back and compared.
     """
     session = active_session()  # its listeners hear of each tensor written (the flow's progress)
-    writer = HashingWriter(fd, flush=flush)
+    if not hash_header:
+        view = memoryview(header)
+        while len(view):
+            view = view[os.write(fd, view) :]
+    writer = HashingWriter(fd, flush=flush, start=0 if hash_header else len(header))
     try:
-        writer.write(memoryview(header))
+        if hash_header:
+            writer.write(memoryview(header))
         for tw in ordered:
             raise_if_stopped()  # Ctrl-C / SIGTERM: stop between tensors, keep the finished shards
             begin = entries[tw.name].begin
@@ -241,7 +280,8 @@ def open_tensors(path: Path, expected_metadata: dict[str, str] | None = None) ->
     return out
 
 
-def verify_written_shard(path: Path, shard: ShardPlan, states: PieceSource, header: bytes) -> None:
+def verify_written_shard(path: Path, shard: ShardPlan, states: PieceSource, header: bytes,
+                         metadata: dict[str, str] | None = None) -> None:
     """Layers 2 and 3 for what the read-back during writing did not cover.
 
     Streamed and cast tensors were compared while the file was written (FollowingReadBack).
@@ -272,7 +312,7 @@ def verify_written_shard(path: Path, shard: ShardPlan, states: PieceSource, head
     computed = [tw for tw in shard.tensors if not read_back_while_writing(tw)]
     if not computed:
         return
-    tensors = open_tensors(path, shard.metadata)
+    tensors = open_tensors(path, metadata or shard.metadata)
     for tw in computed:
         if tw.transform is not None:
             verify_transformed(tw, tensors[tw.name], states)
@@ -296,6 +336,7 @@ def _reusable(record_path: Path, final: Path, shard: ShardPlan) -> ShardRecord |
         data = json.loads(record_path.read_text())
         recorded = (data["file_name"], data["sha256"], data["size"], data["plan_fingerprint"])
         tensors = {k: (v[0], tuple(v[1])) for k, v in data["tensors"].items()}
+        data_sha256 = data.get("data_sha256")
     except (ValueError, KeyError, TypeError, IndexError):
         return None
     if recorded[3] != shard.fingerprint or final.stat().st_size != recorded[2]:
@@ -304,7 +345,7 @@ def _reusable(record_path: Path, final: Path, shard: ShardPlan) -> ShardRecord |
     if sha256_file(final) != recorded[1] or FileStamp.of(final) != stamp:
         return None
     return ShardRecord(file_name=recorded[0], sha256=recorded[1], size=recorded[2], tensors=tensors,
-                       plan_fingerprint=recorded[3], verified_stamp=stamp)
+                       plan_fingerprint=recorded[3], verified_stamp=stamp, data_sha256=data_sha256)
 
 
 def write_component_config(src: Path, dst: Path, base_dir: str) -> tuple[bytes, list[str]]:
