@@ -24,12 +24,15 @@ from mergeflow.config import (
     TaskRunner,
 )
 from mergeflow.errors import UsageError
+from mergeflow.flows.heartbeats import skip_heartbeat_join
 from mergeflow.flows.merge import merge_flow
 from mergeflow.flows.run_names import slug
 from mergeflow.flows.runners import make_task_runner
 from mergeflow.io.confinement import Confinement
 from mergeflow.ops.backfill import BackfillSettings, BackfillSummary, backfill, summary
 from mergeflow.ops.watch import find_checkpoints
+
+skip_heartbeat_join()  # a flow run ends without waiting for its heartbeat thread (flows/heartbeats.py)
 
 
 def backfill_run_name() -> str:

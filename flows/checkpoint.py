@@ -29,6 +29,7 @@ from mergeflow.config import (
     TaskRunner,
 )
 from mergeflow.errors import UsageError
+from mergeflow.flows.heartbeats import skip_heartbeat_join
 from mergeflow.flows.merge import merge_flow
 from mergeflow.flows.run_names import export_label, slug
 from mergeflow.flows.runners import make_task_runner
@@ -37,6 +38,8 @@ from mergeflow.io.confinement import Confinement
 from mergeflow.io.jsonfiles import JsonObject
 from mergeflow.ops.serve_settings import format_with_checkpoint
 from mergeflow.ops.step_targets import default_target, plain_name
+
+skip_heartbeat_join()  # a flow run ends without waiting for its heartbeat thread (flows/heartbeats.py)
 
 FORMAT_FIELDS = ("run_name", "step")
 

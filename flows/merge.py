@@ -31,6 +31,7 @@ from mergeflow.flows.export_run import (
     target_locked,
     typed_os_errors,
 )
+from mergeflow.flows.heartbeats import skip_heartbeat_join
 from mergeflow.flows.interrupts import name_the_kept_staging
 from mergeflow.flows.progress import (
     HASHING,
@@ -54,6 +55,8 @@ from mergeflow.tasks.reconstruct import plan_reconstruction
 from mergeflow.tasks.upload import upload_to_hub
 from mergeflow.tasks.validate import guard_unchanged_task, validate_staged_task
 from mergeflow.tasks.write import write_shard
+
+skip_heartbeat_join()  # a flow run ends without waiting for its heartbeat thread (flows/heartbeats.py)
 
 
 def merge_run_name() -> str:

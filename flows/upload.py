@@ -7,8 +7,11 @@ from pathlib import Path
 from prefect import flow
 
 from mergeflow.config import UploadSummary
+from mergeflow.flows.heartbeats import skip_heartbeat_join
 from mergeflow.tasks.upload import upload_to_hub, verify_hub_upload
 from mergeflow.tasks.validate import validate_artifact_task
+
+skip_heartbeat_join()  # a flow run ends without waiting for its heartbeat thread (flows/heartbeats.py)
 
 
 @flow(name="mergeflow-upload", flow_run_name="upload-{hf_upload_path}")

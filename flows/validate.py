@@ -6,9 +6,12 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
 from mergeflow.export.check.artifact_check import IntegrityResult, artifact_to_check
+from mergeflow.flows.heartbeats import skip_heartbeat_join
 from mergeflow.flows.run_names import validate_label
 from mergeflow.io.confinement import confine_read
 from mergeflow.tasks.validate import validate_artifact_task
+
+skip_heartbeat_join()  # a flow run ends without waiting for its heartbeat thread (flows/heartbeats.py)
 
 
 def validate_run_name() -> str:

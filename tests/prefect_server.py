@@ -62,9 +62,9 @@ class PrefectServer:
             temporary_settings,
         )
 
-        # No flow-run heartbeats in-process: the engine joins its heartbeat thread at the end of
-        # every run, which is half of a tiny flow's 1.1 s here. Nothing in-process tests them; the
-        # CLI subprocesses run with Prefect's default (a heartbeat every 180 s), as users do.
+        # No flow-run heartbeats in-process: each would be one more event per run to the shared
+        # server, and only tests/test_heartbeats.py needs them (it turns them on). The CLI
+        # subprocesses run with Prefect's default (a heartbeat every 180 s), as users do.
         with temporary_settings(updates={PREFECT_API_URL: self.api_url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None,
                                          PREFECT_API_SSL_CERT_FILE: str(_one_certificate())}):
             yield
