@@ -15,6 +15,8 @@ medians and ratios only; no result is compared with a fixed time.
     python bench/merge_bench.py --layout dcp             # the same model as a torch DCP (one writer)
     python bench/merge_bench.py --dtypes preserve --output-format transformer single_file
                                                          # both outputs interleaved; prints single_file / transformer
+    python bench/merge_bench.py --dtypes bfloat16 --output-format single_file single_file+quantize=fp8 gguf+quantize=q8_0
+                                                         # FORMAT+FLAG=VALUE: an output with more merge flags
 """
 
 from __future__ import annotations
@@ -81,30 +83,47 @@ def mergeflow_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "mergeflow", *args]
 
 
+def output_flags(spec: str) -> list[str]:
+    """`FORMAT[+FLAG=VALUE...]` -> merge flags: `single_file+quantize=fp8` is
+    `--output_format single_file --quantize fp8` (a variant of an output is timed as its own column)."""
+    output_format, *extras = spec.split("+")
+    flags = ["--output_format", output_format]
+    for extra in extras:
+        flag, _, value = extra.partition("=")
+        flags += [f"--{flag}", value] if value else [f"--{flag}"]
+    return flags
+
+
 def source_files(actor: Path) -> list[Path]:
     """The checkpoint's data files, which the floor reads: verl's rank files, or a DCP's .distcp files."""
     return sorted(actor.glob("model_world_size_*.pt")) or sorted(actor.glob("*.distcp"))
 
 
 def bench_dtype(actor: Path, base: Path, work: Path, dtype: str, repeats: int, env: dict[str, str],
-                formats: list[str]) -> dict[str, tuple[list[Run], list[float]]]:
-    """Each output format once per round, alternating which goes first, each with its floor right before it."""
+                formats: list[str], floor_per: str = "run") -> dict[str, tuple[list[Run], list[float]]]:
+    """Each output format once per round, alternating which goes first, each with its floor right before it
+    (`floor_per="round"`: the floors once at the start of each round, for every format of the round)."""
     rank_files = source_files(actor)
     results: dict[str, tuple[list[Run], list[float]]] = {f: ([], []) for f in formats}
+    def floors() -> tuple[float, float, float]:
+        settle()
+        durable = floor_seconds(rank_files, work / "floor.bin")
+        settle()
+        early = floor_seconds(rank_files, work / "floor.bin", early_writeback=True)
+        settle()
+        cached = floor_seconds(rank_files, work / "floor.bin", durable=False)
+        settle()
+        return durable, early, cached
+
     for i in range(repeats + 1):  # round 0 warms the page cache and the server; it is not counted
+        round_floors = floors() if floor_per == "round" else None
         for output_format in (formats if i % 2 == 0 else formats[::-1]):
             runs, test_times = results[output_format]
-            target = work / f"out-{dtype}-{output_format}-{i}"
-            settle()
-            floor = floor_seconds(rank_files, work / "floor.bin")
-            settle()
-            floor_wb = floor_seconds(rank_files, work / "floor.bin", early_writeback=True)
-            settle()
-            floor_cache = floor_seconds(rank_files, work / "floor.bin", durable=False)
-            settle()
+            target = work / f"out-{dtype}-{output_format.replace('+', '-').replace('=', '')}-{i}"
+            floor, floor_wb, floor_cache = round_floors or floors()
             cli_s, peak = timed_command(mergeflow_argv("merge", "--backend", "fsdp", "--local_dir", str(actor),
                                                        "--base_model", str(base), "--target_dir", str(target),
-                                                       "--output_format", output_format, "--dtype", dtype), env)
+                                                       *output_flags(output_format), "--dtype", dtype), env)
             # The run name the flow gives itself (training run and step of the source).
             from mergeflow.flows.run_names import export_label
 
@@ -153,7 +172,10 @@ def main() -> int:
     parser.add_argument("--layout", choices=["verl", "dcp"], default="verl",
                         help="verl's W rank files, or the same model as a torch DCP written by one process")
     parser.add_argument("--output-format", nargs="+", default=["transformer"], dest="output_formats",
-                        help="outputs to time, interleaved in each round (the first is the reference of the ratios)")
+                        help="outputs to time, interleaved in each round (the first is the reference of the ratios); "
+                             "FORMAT+FLAG=VALUE adds merge flags, e.g. single_file+quantize=fp8")
+    parser.add_argument("--floor-per", choices=["run", "round"], default="run", dest="floor_per",
+                        help="measure the floors before every run, or once per round (many formats: a shorter bench)")
     parser.add_argument("--root", default=tempfile.gettempdir())
     parser.add_argument("--keep", action="store_true", help="keep the built checkpoint (and print where)")
     args = parser.parse_args()
@@ -167,7 +189,7 @@ def main() -> int:
             env = dict(os.environ, PREFECT_TASKS_REFRESH_CACHE="true", HF_HUB_OFFLINE="1")
             tensors = _tensor_count(base)
             for dtype in args.dtypes:
-                results = bench_dtype(actor, base, work, dtype, args.repeats, env, args.output_formats)
+                results = bench_dtype(actor, base, work, dtype, args.repeats, env, args.output_formats, args.floor_per)
                 for output_format, (runs, test_times) in results.items():
                     report(preset, nbytes, tensors, dtype, runs, test_times, args.layout, output_format)
                 reference = args.output_formats[0]
