@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -184,6 +185,122 @@ def test_the_test_command_catches_a_flipped_byte_and_a_renamed_key(
         validate_artifact(renamed)
 
 
+# Flux outside the blocks (what `target_modules: all-linear` adds): Diffusers module -> the file's stem.
+FLUX_OUTSIDE = {
+    "x_embedder": "lora_unet_img_in",
+    "context_embedder": "lora_unet_txt_in",
+    "time_text_embed.timestep_embedder.linear_1": "lora_unet_time_in_in_layer",
+    "time_text_embed.timestep_embedder.linear_2": "lora_unet_time_in_out_layer",
+    "time_text_embed.text_embedder.linear_1": "lora_unet_vector_in_in_layer",
+    "time_text_embed.text_embedder.linear_2": "lora_unet_vector_in_out_layer",
+    "time_text_embed.guidance_embedder.linear_1": "lora_unet_guidance_in_in_layer",
+    "time_text_embed.guidance_embedder.linear_2": "lora_unet_guidance_in_out_layer",
+    "proj_out": "lora_unet_final_layer_linear",
+    "norm_out.linear": "lora_unet_final_layer_adaLN_modulation_1",
+}
+FLUX_FOLDED = ("proj_out", "norm_out.linear")  # no alpha: the scale is in the up
+# The single blocks' q, k, v and MLP input (fused linear1): Diffusers' converter splits it only at
+# FLUX.1's widths, so the tiny model's all-linear adapter leaves them out (proven at that width below).
+LINEAR1_PART = re.compile(r"single_transformer_blocks\.\d+\.(attn\.to_[qkv]|proj_mlp)")
+
+
+def flux_linears() -> list[str]:
+    """Every Linear of the tiny Flux: what PEFT's `target_modules="all-linear"` adapts there."""
+    from mergeflow.demo.tiny_transformers import build_transformer
+
+    model = build_transformer("FluxTransformer2DModel", seed=0)
+    return sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear))
+
+
+def lora_modules(transformer: torch.nn.Module, adapter: str) -> set[str]:
+    from peft.tuners.lora import LoraLayer
+
+    return {n for n, m in transformer.named_modules() if isinstance(m, LoraLayer) and adapter in m.lora_A}
+
+
+def test_flux_all_linear_names_every_module_as_comfyui_keys_the_bfl_weights() -> None:
+    """ComfyUI keys a Flux LoRA module as `lora_unet_` + its BFL weight's name, dots as underscores
+    (comfy/lora.py model_lora_keys_unet): every stem of an all-linear plan is such a weight of the
+    original layout (mergeflow.architectures.flux, proven against Diffusers' from_single_file),
+    made of the same Diffusers weights in the same row order, swapped where that layout swaps."""
+    from mergeflow.architectures import flux
+    from mergeflow.architectures.flux_lora import LORA_NAMING, PREFIX
+    from mergeflow.architectures.original_lora import checked_plan
+    from mergeflow.demo.tiny_transformers import build_transformer
+
+    linears = flux_linears()
+    modules = checked_plan(LORA_NAMING, linears)
+    shapes = {k: tuple(v.shape) for k, v in build_transformer("FluxTransformer2DModel", seed=0).state_dict().items()}
+    bfl = {t.name.removesuffix(".weight").replace(".", "_"): t for t in flux.plan(shapes, {}) if t.name.endswith(".weight")}
+    for module in modules:
+        tensor = bfl[module.stem.removeprefix(PREFIX)]
+        assert tensor.sources == tuple(f"{p}.weight" for p in module.parts), module.stem
+        assert (tensor.op == "swap_halves") == module.swap_halves, module.stem
+    assert sorted(p for m in modules for p in m.parts) == linears
+    named = {m.parts[0]: m for m in modules if len(m.parts) == 1}
+    assert {p: named[p].stem for p in FLUX_OUTSIDE} == FLUX_OUTSIDE
+    assert [p for p in FLUX_OUTSIDE if not named[p].alpha] == list(FLUX_FOLDED)
+
+
+def test_flux_lora_outside_the_blocks_is_exact_for_diffusers_converter_and_forward(
+    tmp_path: Path, prefect_api: object
+) -> None:
+    from diffusers.loaders.lora_conversion_utils import (
+        _convert_kohya_flux_lora_to_diffusers,
+    )
+
+    targets = [n for n in flux_linears() if not LINEAR1_PART.fullmatch(n)]
+    assert set(FLUX_OUTSIDE) <= set(targets)
+    ck = build_lora_checkpoint(tmp_path, "FluxTransformer2DModel", make_config(targets), world_size=3,
+                               layout="lora_only")
+    adapter_dir = export(ck, tmp_path / "out") / "lora_adapter"
+    state = load_file(str(adapter_dir / WEIGHTS))
+    peft_state = ck.peft.base_model.model.state_dict()
+    scale, rank = 8 / 4, 4
+    lora_a = {m: peft_state[f"{m}.lora_A.default.weight"] for m in FLUX_OUTSIDE}
+    lora_b = {m: peft_state[f"{m}.lora_B.default.weight"] for m in FLUX_OUTSIDE}
+    for module, stem in FLUX_OUTSIDE.items():  # the file: the checkpoint's bytes, or the up scaled
+        assert torch.equal(state[f"{stem}.lora_down.weight"], lora_a[module])
+        if module in FLUX_FOLDED:
+            assert f"{stem}.alpha" not in state
+        else:
+            assert state[f"{stem}.alpha"].item() == scale * rank
+            assert torch.equal(state[f"{stem}.lora_up.weight"], lora_b[module])
+    assert torch.equal(state["lora_unet_final_layer_linear.lora_up.weight"], lora_b["proj_out"] * scale)
+    first, second = (lora_b["norm_out.linear"] * scale).chunk(2)  # Diffusers' (scale, shift) -> BFL's (shift, scale)
+    assert torch.equal(state["lora_unet_final_layer_adaLN_modulation_1.lora_up.weight"], torch.cat([second, first]))
+
+    # (a) Diffusers' own kohya converter gives every outside module back exactly: alpha / rank = 2 goes
+    # whole into A where it reads an alpha; the final layer's folded up is taken as written, the
+    # modulation's halves swapped back by its swap_scale_shift.
+    converted = _convert_kohya_flux_lora_to_diffusers(dict(state))
+    for module in FLUX_OUTSIDE:
+        got_a, got_b = converted[f"{module}.lora_A.weight"], converted[f"{module}.lora_B.weight"]
+        folded = module in FLUX_FOLDED
+        assert torch.equal(got_a, lora_a[module] if folded else lora_a[module] * scale), module
+        assert torch.equal(got_b, lora_b[module] * scale if folded else lora_b[module]), module
+        torch.testing.assert_close(got_b @ got_a, delta(ck, module), rtol=0, atol=1e-6)
+    # ... but names them without `transformer.`, so load_lora_weights of the file loads only the blocks' modules
+    assert not any(f"transformer.{m}.lora_A.weight" in converted for m in FLUX_OUTSIDE)
+    pipe = pipeline_with("FluxPipeline", load_base(ck))
+    pipe.load_lora_weights(str(adapter_dir), weight_name=WEIGHTS, adapter_name="x")  # type: ignore[attr-defined]
+    assert lora_modules(pipe.transformer, "x") == set(targets) - set(FLUX_OUTSIDE)  # type: ignore[attr-defined]
+
+    # (b) end to end: the converter's output, every key under `transformer.`, loaded by load_lora_weights,
+    # reproduces the trained adapter's forward with every module adapted
+    prefixed = {k if k.startswith("transformer.") else f"transformer.{k}": v for k, v in converted.items()}
+    pipe = pipeline_with("FluxPipeline", load_base(ck))
+    pipe.load_lora_weights(prefixed, adapter_name="x")  # type: ignore[attr-defined]
+    assert lora_modules(pipe.transformer, "x") == set(targets)  # type: ignore[attr-defined]
+    expected = ck.forward("default")
+    base = run_tiny_forward(load_base(ck).eval())
+    assert not all(torch.allclose(a, b, atol=1e-4) for a, b in zip(expected, base, strict=True))
+    got = run_tiny_forward(pipe.transformer.eval())  # type: ignore[attr-defined]
+    for a, b in zip(expected, got, strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+    assert validate_artifact(adapter_dir)["integrity"] == "passed"
+
+
 # name -> (class, LoraConfig factory, what the one-line refusal says)
 REFUSALS = {
     "dora": ("FluxTransformer2DModel", lambda n: LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=["to_q"]),
@@ -194,8 +311,6 @@ REFUSALS = {
     "mixed-scales": ("FluxTransformer2DModel", lambda n: LoraConfig(r=4, lora_alpha=8, alpha_pattern={"to_k": 4},
                                                                     target_modules=["to_q", "to_k", "to_v"]),
                      "different scales"),
-    # Diffusers' kohya converter drops the modules outside Flux's blocks
-    "flux-x-embedder": ("FluxTransformer2DModel", make_config(["to_q", "x_embedder"]), "x_embedder, which the Flux"),
     "wan-patch-embedding": ("WanTransformer3DModel", make_config(["to_q", "patch_embedding"]), "patch_embedding, which the Wan"),
 }
 
@@ -207,6 +322,17 @@ def test_what_a_comfyui_lora_cannot_carry_is_refused_before_any_write(tmp_path: 
     with pytest.raises(LoraError, match=match):
         export(ck, tmp_path / "out")
     assert not leftovers(tmp_path, "out")
+
+
+def test_flux_naming_refuses_a_module_no_flux_loader_knows() -> None:
+    """Every Linear of FluxTransformer2DModel has a kohya name (see above); a module name outside that map
+    (here a norm weight, which no Flux LoRA loader reads) is still refused, naming the module."""
+    from mergeflow.architectures.flux_lora import plan
+
+    with pytest.raises(LoraError, match=r"transformer_blocks\.0\.attn\.norm_q, which the Flux ComfyUI LoRA naming cannot"):
+        plan(["transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.norm_q"])
+    with pytest.raises(LoraError, match="pos_embed, which the Flux"):
+        plan(["pos_embed"])
 
 
 def test_an_architecture_without_a_comfyui_lora_naming_is_refused() -> None:

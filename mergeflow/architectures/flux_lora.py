@@ -2,15 +2,21 @@
 
 `lora_down.weight` / `lora_up.weight` / `alpha` per module, as kohya's sd-scripts write it and
 Diffusers' `_convert_kohya_flux_lora_to_diffusers` (FluxLoraLoaderMixin, picked by any
-`.lora_down.weight` key) and ComfyUI's comfy/lora.py read it. BFL fuses attention's q, k, v into
-`qkv` (double blocks, image and text side) and q, k, v with the MLP input into single blocks'
+`.lora_down.weight` key) and ComfyUI's comfy/lora.py read it (ComfyUI keys every weight of its BFL
+model as `lora_unet_` + the weight's name with dots as underscores). BFL fuses attention's q, k, v
+into `qkv` (double blocks, image and text side) and q, k, v with the MLP input into single blocks'
 `linear1`: the LoRA of a fused module is the exact block-structured LoRA of the fused weight
 (down: the parts' downs stacked; up: their ups on the block diagonal; rank: the sum).
 
-Refused (one line each, before any write):
-- the modules outside the blocks (x_embedder, context_embedder, the time/guidance/text embedders,
-  norm_out, proj_out): Diffusers' kohya converter names them without `transformer.`, so
-  `load_lora_weights` silently drops them and the file could not be proven.
+Outside the blocks (what `target_modules: all-linear` adds): the embedders `img_in`, `txt_in`,
+`time_in` / `vector_in` / `guidance_in` (`in_layer`, `out_layer`) keep their alpha, which both
+loaders read. The final layer (`final_layer_linear`, `final_layer_adaLN_modulation_1`) is written
+without one: Diffusers' converter copies its down and up as they are and discards a final-layer
+alpha, while ComfyUI would apply it, so the scale is folded into the up and both apply scale 1.
+BFL's final modulation holds (shift, scale) where Diffusers' `norm_out.linear` holds (scale,
+shift): its up's row halves are exchanged, which Diffusers' `swap_scale_shift` undoes on load.
+Diffusers' converter names these modules without `transformer.`, so its `load_lora_weights` leaves
+them out (only the in-block modules load there); ComfyUI applies them all.
 """
 
 from __future__ import annotations
@@ -41,6 +47,24 @@ _DOUBLE_FUSED = {
 }
 _SINGLE_NAMES = {"proj_out": "linear2", "norm.linear": "modulation_lin"}
 _SINGLE_FUSED = {"linear1": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")}
+# Diffusers module outside the blocks -> BFL module: the names kohya's converter maps back.
+_EMBEDDERS = {
+    "x_embedder": "img_in",
+    "context_embedder": "txt_in",
+    "time_text_embed.timestep_embedder.linear_1": "time_in_in_layer",
+    "time_text_embed.timestep_embedder.linear_2": "time_in_out_layer",
+    "time_text_embed.text_embedder.linear_1": "vector_in_in_layer",
+    "time_text_embed.text_embedder.linear_2": "vector_in_out_layer",
+    "time_text_embed.guidance_embedder.linear_1": "guidance_in_in_layer",
+    "time_text_embed.guidance_embedder.linear_2": "guidance_in_out_layer",
+}
+# The final layer: Diffusers' converter reads no alpha there (see the module docstring), so the
+# scale is folded into the up; the modulation's (scale, shift) halves become BFL's (shift, scale).
+_FINAL = {
+    "proj_out": LoraModule(f"{PREFIX}final_layer_linear", ("proj_out",), alpha=False),
+    "norm_out.linear": LoraModule(f"{PREFIX}final_layer_adaLN_modulation_1", ("norm_out.linear",), alpha=False,
+                                  swap_halves=True),
+}
 
 
 def _block_module(block: str, index: str, inner: str, names: dict[str, str],
@@ -61,15 +85,18 @@ def plan(adapted: Sequence[str]) -> list[LoraModule]:
     for module in adapted:
         double, single = _DOUBLE.match(module), _SINGLE.match(module)
         found = None
-        if double:
+        if module in _EMBEDDERS:
+            found = LoraModule(PREFIX + _EMBEDDERS[module], (module,))
+        elif module in _FINAL:
+            found = _FINAL[module]
+        elif double:
             found = _block_module("double_blocks", double[1], double[2], _DOUBLE_NAMES, _DOUBLE_FUSED,
                                   "transformer_blocks")
         elif single:
             found = _block_module("single_blocks", single[1], single[2], _SINGLE_NAMES, _SINGLE_FUSED,
                                   "single_transformer_blocks")
         if found is None:
-            why = "outside the blocks: Diffusers' kohya converter drops such keys" if not (double or single) else ""
-            raise unnamed("Flux", module, why)
+            raise unnamed("Flux", module)
         modules.setdefault(found.stem, found)
     adapted_set = set(adapted)
     # A fused module keeps only if some part is adapted; its listed parts that are not become zero blocks.
