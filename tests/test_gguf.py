@@ -252,3 +252,32 @@ def test_gguf_needs_one_of_its_encodings(tmp_path: Path, prefect_api: object, qu
     with pytest.raises(UsageError, match=message):
         merge_model(ex.config(tmp_path / "out", output_format="gguf", quantize=quantize))
     assert not (tmp_path / "out").exists()
+
+
+def test_the_q8_0_bound_holds_where_rounding_is_hardest() -> None:
+    # Blocks gguf-py's Q8_0 finds hardest: ties (x/d at k + 1/2), scales that round up or down in float16, scales
+    # below the float16 normal range (subnormal, and flushed to 0), all-zero blocks, a block with one large value.
+    from mergeflow.formats.gguf_quant import q8_0_dequantize, q8_0_errors, q8_0_quantize
+
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.randn(64, 32, generator=gen) * scale for scale in (1e-9, 3e-7, 6.1e-5, 1e-3, 1.0, 300.0)]
+    ties = (torch.arange(32, dtype=torch.float32) - 15.5) / 15.5 * 127 / 127  # multiples of 1/31: many exact halves
+    rows += [ties.reshape(1, 32) * s for s in (1.0, 2.0**-20, 2.0**-30, 1 + 2**-11, 1 - 2**-12)]
+    rows += [torch.zeros(1, 32), torch.tensor([[1000.0] + [1e-3] * 31])]
+    values = torch.cat([r.reshape(-1, 32) for r in rows]).to(torch.bfloat16).to(torch.float32).numpy()
+    stored = q8_0_quantize(values)
+    ours = q8_0_dequantize(torch.from_numpy(stored))
+    theirs = gguf.quants.dequantize(stored, gguf.GGMLQuantizationType.Q8_0)
+    assert np.array_equal(ours.numpy().view(np.uint32), theirs.view(np.uint32))  # torch's dequantize is gguf-py's
+    errors = q8_0_errors(torch.from_numpy(values), torch.from_numpy(stored), ours)
+    assert 0 < errors["bound_ratio"] <= 1.0, errors
+    # The bound is tight: half a step dominates, so the worst block uses most of it.
+    assert errors["bound_ratio"] > 0.9, errors
+    # Per block: no error above its bound, and the bound is at most ~0.57 of a step (not a loose multiple).
+    x = values.astype(np.float64).reshape(-1, 32)
+    err = np.abs(x - theirs.astype(np.float64).reshape(-1, 32)).max(axis=1)
+    bounds = q8_0_bounds(q8_0_scales(stored))
+    assert (err <= bounds).all()
+    scales = np.abs(q8_0_scales(stored))
+    normal = scales >= 2.0**-14
+    assert (bounds[normal] <= 0.57 * scales[normal]).all()
