@@ -15,6 +15,8 @@ medians and ratios only; no result is compared with a fixed time.
     python bench/merge_bench.py --layout dcp             # the same model as a torch DCP (one writer)
     python bench/merge_bench.py --dtypes preserve --output-format transformer single_file
                                                          # both outputs interleaved; prints single_file / transformer
+    python bench/merge_bench.py --dtypes preserve --output-format single_file gguf:q8_0
+                                                         # FORMAT:QUANTIZE passes --quantize (GGUF needs one)
 """
 
 from __future__ import annotations
@@ -94,7 +96,8 @@ def bench_dtype(actor: Path, base: Path, work: Path, dtype: str, repeats: int, e
     for i in range(repeats + 1):  # round 0 warms the page cache and the server; it is not counted
         for output_format in (formats if i % 2 == 0 else formats[::-1]):
             runs, test_times = results[output_format]
-            target = work / f"out-{dtype}-{output_format}-{i}"
+            target = work / f"out-{dtype}-{output_format.replace(':', '-')}-{i}"
+            fmt, _, quantize = output_format.partition(":")
             settle()
             floor = floor_seconds(rank_files, work / "floor.bin")
             settle()
@@ -104,7 +107,8 @@ def bench_dtype(actor: Path, base: Path, work: Path, dtype: str, repeats: int, e
             settle()
             cli_s, peak = timed_command(mergeflow_argv("merge", "--backend", "fsdp", "--local_dir", str(actor),
                                                        "--base_model", str(base), "--target_dir", str(target),
-                                                       "--output_format", output_format, "--dtype", dtype), env)
+                                                       "--output_format", fmt, "--dtype", dtype,
+                                                       *(["--quantize", quantize] if quantize else [])), env)
             # The run name the flow gives itself (training run and step of the source).
             from mergeflow.flows.run_names import export_label
 
@@ -153,7 +157,8 @@ def main() -> int:
     parser.add_argument("--layout", choices=["verl", "dcp"], default="verl",
                         help="verl's W rank files, or the same model as a torch DCP written by one process")
     parser.add_argument("--output-format", nargs="+", default=["transformer"], dest="output_formats",
-                        help="outputs to time, interleaved in each round (the first is the reference of the ratios)")
+                        help="outputs to time, interleaved in each round (the first is the reference of the ratios); "
+                             "FORMAT:QUANTIZE adds --quantize (gguf:q8_0)")
     parser.add_argument("--root", default=tempfile.gettempdir())
     parser.add_argument("--keep", action="store_true", help="keep the built checkpoint (and print where)")
     args = parser.parse_args()
