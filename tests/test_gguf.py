@@ -281,3 +281,24 @@ def test_the_q8_0_bound_holds_where_rounding_is_hardest() -> None:
     scales = np.abs(q8_0_scales(stored))
     normal = scales >= 2.0**-14
     assert (bounds[normal] <= 0.57 * scales[normal]).all()
+
+
+def test_a_tensor_q8_0_cannot_hold_is_refused_not_written() -> None:
+    # A block whose max |x| / 127 overflows float16 (x > 65504 * 127) gets an infinite scale: gguf-py would write
+    # it; the writer measures it against the source and refuses it.
+    from mergeflow.architectures.gguf_layout import architecture_for, encoding
+    from mergeflow.errors import CheckpointError
+    from mergeflow.export.write.gguf_writer import _encode
+    from mergeflow.records import TensorLayout, TensorWrite
+
+    shape = (16, 128)  # 2,048 values: above convert.py's F32 threshold
+    tensor = torch.full(shape, 0.5)
+    tensor[2, 40] = 1e7
+    tw = TensorWrite("blocks.0.ffn.0.weight", "x", TensorLayout("x", "float32", shape, None, ((0,),), (shape,)), "float32")
+    enc = encoding(architecture_for("WanTransformer3DModel"), tw.name, shape, "q8_0")
+    assert enc.kind == "Q8_0"
+    with pytest.raises(CheckpointError, match="exceeds its block-scale bound"):
+        _encode(tw, enc, tensor)
+    stored, record = _encode(tw, enc, torch.full(shape, 0.5))
+    # A constant block: q = 127 exactly, the whole error is the float16 rounding of its scale (127 |d - d_h|).
+    assert 0 < record["max_abs_error"] <= 127 * 2.0**-11 * 0.5 / 127 * 1.01 and record["bound_ratio"] <= 1
