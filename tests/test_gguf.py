@@ -299,6 +299,6 @@ def test_a_tensor_q8_0_cannot_hold_is_refused_not_written() -> None:
     assert enc.kind == "Q8_0"
     with pytest.raises(CheckpointError, match="exceeds its block-scale bound"):
         _encode(tw, enc, tensor)
-    stored, record = _encode(tw, enc, torch.full(shape, 0.5))
+    _, record = _encode(tw, enc, torch.full(shape, 0.5))
     # A constant block: q = 127 exactly, the whole error is the float16 rounding of its scale (127 |d - d_h|).
     assert 0 < record["max_abs_error"] <= 127 * 2.0**-11 * 0.5 / 127 * 1.01 and record["bound_ratio"] <= 1
