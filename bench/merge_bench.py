@@ -87,7 +87,8 @@ def output_flags(spec: str) -> list[str]:
     """`FORMAT[+FLAG=VALUE...]` -> merge flags: `single_file+quantize=fp8` is
     `--output_format single_file --quantize fp8` (a variant of an output is timed as its own column)."""
     output_format, *extras = spec.split("+")
-    flags = ["--output_format", output_format]
+    output_format, _, quantize = output_format.partition(":")  # FORMAT:QUANTIZE, short for FORMAT+quantize=QUANTIZE
+    flags = ["--output_format", output_format] + (["--quantize", quantize] if quantize else [])
     for extra in extras:
         flag, _, value = extra.partition("=")
         flags += [f"--{flag}", value] if value else [f"--{flag}"]
@@ -119,7 +120,7 @@ def bench_dtype(actor: Path, base: Path, work: Path, dtype: str, repeats: int, e
         round_floors = floors() if floor_per == "round" else None
         for output_format in (formats if i % 2 == 0 else formats[::-1]):
             runs, test_times = results[output_format]
-            target = work / f"out-{dtype}-{output_format.replace('+', '-').replace('=', '')}-{i}"
+            target = work / f"out-{dtype}-{output_format.replace('+', '-').replace('=', '').replace(':', '-')}-{i}"
             floor, floor_wb, floor_cache = round_floors or floors()
             cli_s, peak = timed_command(mergeflow_argv("merge", "--backend", "fsdp", "--local_dir", str(actor),
                                                        "--base_model", str(base), "--target_dir", str(target),

@@ -16,7 +16,7 @@ from mergeflow.errors import UsageError
 # what argparse and the checks below use, derived from them so the two cannot drift.
 Operation = Literal["merge", "test"]
 Backend = Literal["fsdp"]
-OutputFormat = Literal["pipeline", "transformer", "single_file"]  # the built-in outputs: the served deployments' form
+OutputFormat = Literal["pipeline", "transformer", "single_file", "gguf"]  # the built-in outputs: the served deployments' form
 Dtype = Literal["preserve", "float32", "float16", "bfloat16"]
 AdapterFormat = Literal["peft", "diffusers", "comfyui"]
 QkvLayout = Literal["interleaved", "stacked"]

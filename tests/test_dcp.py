@@ -284,6 +284,28 @@ def test_a_dcp_exports_an_original_single_file(tmp_path: Path, prefect_api: obje
     assert validate_artifact(out) == {"integrity": "passed", "architecture": accelerate_dcp.class_name}
 
 
+def test_a_dcp_exports_a_gguf_file(tmp_path: Path, prefect_api: object, accelerate_dcp: DcpCheckpoint) -> None:
+    import gguf
+    import numpy as np
+
+    from mergeflow.architectures.gguf_layout import gguf_key
+    from mergeflow.architectures.original_layout import layout_for, to_original_state_dict
+
+    out, manifest = _merge(accelerate_dcp, tmp_path / "out", output_format="gguf", quantize="bf16")
+    expected = {dcp.model_name(k): v for k, v in accelerate_dcp.trained.items()}
+    config = json.loads((out / "config.json").read_text())
+    original = {gguf_key(k): v for k, v in to_original_state_dict(layout_for(accelerate_dcp.class_name), expected, config).items()}
+    reader = gguf.GGUFReader(out / "transformer.gguf")
+    assert {t.name for t in reader.tensors} == set(original)
+    for t in reader.tensors:  # BF16 tensors: the bf16 cast of the DCP's tensor; F32 ones: the tensor itself
+        got = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type))).reshape(original[t.name].shape)
+        want = original[t.name].to(torch.bfloat16).float() if t.tensor_type.name == "BF16" else original[t.name].float()
+        assert torch.equal(got, want), t.name
+    assert manifest["artifact_type"] == "gguf" and manifest["checkpoint"] == {"layout": "dcp", "world_size": 3}
+    assert manifest["quantization"]["method"] == "bf16"
+    assert validate_artifact(out) == {"integrity": "passed", "architecture": accelerate_dcp.class_name}
+
+
 def test_a_dcp_merges_into_a_sharded_bf16_pipeline_with_the_flag_s_config(
         tmp_path: Path, prefect_api: object, accelerate_dcp: DcpCheckpoint) -> None:
     from tests.fixtures.pipelines_image import build_flux_pipeline

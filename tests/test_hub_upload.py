@@ -302,3 +302,16 @@ def test_a_single_file_export_uploads_and_verifies(hub, tmp_path, prefect_api):
     _assert_hub_holds_artifact(hub, out)
     assert hub.files(REPO)["transformer.safetensors"].lfs
     assert record.files_verified == len(_artifact_files(out)) == 3
+
+
+def test_a_gguf_export_uploads_and_verifies(hub, tmp_path, prefect_api):
+    from builders import make_export
+
+    from mergeflow import merge_model
+
+    ex = make_export(tmp_path / "ckpt", "QwenImageTransformer2DModel", world_size=1)
+    out = Path(merge_model(ex.config(tmp_path / "out", output_format="gguf", quantize="q8_0")).output_dir)
+    record = _upload(hub, out)
+    _assert_hub_holds_artifact(hub, out)
+    assert hub.files(REPO)["transformer.gguf"].lfs
+    assert record.files_verified == len(_artifact_files(out)) == 3

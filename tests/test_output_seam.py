@@ -58,17 +58,17 @@ def test_no_output_branch_outside_the_outputs_package() -> None:
 
 
 def test_output_format_choices_come_from_the_registry(tmp_path: Path) -> None:
-    assert list(OUTPUT_FORMATS) == ["pipeline", "transformer", "single_file"]
+    assert list(OUTPUT_FORMATS) == ["pipeline", "transformer", "single_file", "gguf"]
     assert option_values("adapter_format") == ADAPTER_FORMATS  # the --adapter-format Literal cannot drift
     with pytest.raises(SystemExit) as refused:
         build_parser().parse_args(MERGE_ARGS)
     assert refused.value.code == 2
     config = _toy_config(tmp_path)
-    with pytest.raises(UsageError, match="--output_format must be one of pipeline, transformer, single_file, not 'toy'"):
+    with pytest.raises(UsageError, match="--output_format must be one of pipeline, transformer, single_file, gguf, not 'toy'"):
         config.validate()
     register_output(TOY)
     try:
-        assert list(OUTPUT_FORMATS) == ["pipeline", "transformer", "single_file", "toy"]
+        assert list(OUTPUT_FORMATS) == ["pipeline", "transformer", "single_file", "gguf", "toy"]
         assert build_parser().parse_args(MERGE_ARGS).output_format == "toy"
         config.validate()
         with pytest.raises(ValueError, match="already registered"):

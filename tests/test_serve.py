@@ -207,7 +207,7 @@ def test_event_and_watcher_start_merges_validate_and_backfill_run_alone(tmp_path
     assert backfill.parameters["output_format"] == "transformer" and backfill.parameters["max_shard_size"] == 60000
     props = backfill.parameter_openapi_schema["properties"]
     assert backfill.parameter_openapi_schema["required"] == ["train_dir", "base_model", "target_root"]
-    assert props["output_format"]["enum"] == ["pipeline", "transformer", "single_file"] and props["task_runner"]["enum"] == ["thread", "dask"]
+    assert props["output_format"]["enum"] == ["pipeline", "transformer", "single_file", "gguf"] and props["task_runner"]["enum"] == ["thread", "dask"]
     assert props["stable_seconds"]["type"] == "number" and "global_step_<N>" in props["train_dir"]["description"]
     shutil.copytree(ex.actor_dir, train / "global_step_3" / "actor")
     (train / "latest_checkpointed_iteration.txt").write_text("3")

@@ -123,7 +123,7 @@ def test_deployment_forms_are_typed(tmp_path: Path, prefect_api: object) -> None
 
     schema = parameter_schema(merge_checkpoint_flow.fn).model_dump()
     props = schema["properties"]
-    assert props["output_format"]["enum"] == ["pipeline", "transformer", "single_file"]
+    assert props["output_format"]["enum"] == ["pipeline", "transformer", "single_file", "gguf"]
     assert props["dtype"]["enum"] == ["preserve", "float32", "float16", "bfloat16"]
     assert props["task_runner"]["enum"] == ["thread", "dask"]
     assert all(p.get("description") for p in props.values()), [k for k, p in props.items() if not p.get("description")]

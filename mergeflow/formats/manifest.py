@@ -123,6 +123,8 @@ class ManifestDocument(TypedDict):
     lora_adapter: NotRequired[LoraAdapterJson]
     unchanged_check: NotRequired[dict[str, int]]  # UnchangedMeasurement's counts
     original_layout: NotRequired[dict[str, Any]]  # a single file's key map (mergeflow/outputs/single_file.py)
+    # Encoded weights: {method, kept_f32/excluded: [...], tensors: {key: {...}}} (GGUF: mergeflow/outputs/gguf.py).
+    quantization: NotRequired[dict[str, Any]]
 
 
 # The records of a manifest. A merge builds one `Manifest` and serializes it once (`to_json`, at the
@@ -244,6 +246,8 @@ class Manifest:
     unchanged_check: UnchangedMeasurement | None = None  # only when the guard compared every tensor
     # An original single-file layout: {layout, params, key_map: file key -> [[source, first row, end row, swapped]]}.
     original_layout: Mapping[str, Any] | None = None
+    # Encoded weights: {method, kept_f32/excluded, tensors: key -> type, source sha256, errors...}.
+    quantization: Mapping[str, Any] | None = None
     schema_version: int = SCHEMA_VERSION
     backend: str = "fsdp"
 
@@ -291,6 +295,8 @@ class Manifest:
                                      "differing_tensors": self.unchanged_check.differing_tensors}
         if self.original_layout is not None:
             data["original_layout"] = dict(self.original_layout)
+        if self.quantization is not None:
+            data["quantization"] = dict(self.quantization)
         return data
 
 
@@ -344,6 +350,10 @@ def check_manifest(data: Any, artifact_types: Collection[str] | None = None) -> 
         if verification.get(layer) != "passed":
             raise ArtifactInvalidError(f"manifest verification.{layer} is not 'passed'")
     _check_unchanged_check(data.get(UNCHANGED_CHECK))
+    quantization = data.get("quantization")
+    if quantization is not None and not (isinstance(quantization, dict) and isinstance(quantization.get("method"), str)
+                                         and isinstance(quantization.get("tensors"), dict)):
+        raise ArtifactInvalidError("manifest quantization must be {method: ..., tensors: {...}}")
     if MANIFEST_NAME in data["files"]:
         raise ArtifactInvalidError("manifest files must not list the manifest itself")
     _reject_absolute_paths(data)

@@ -94,6 +94,9 @@ class ArtifactOutput(ABC):
     writer: ClassVar[WeightsWriter] = SHARDED_SAFETENSORS
     # Where this artifact sits when it is written inside another one (an adapter beside its model).
     nested_dir: ClassVar[str | None] = None
+    # Whether the unchanged-weights guard compares the written tensors with the base's (False: an encoding,
+    # such as GGUF, that neither reads as safetensors nor keeps the base's bits).
+    compares_unchanged: ClassVar[bool] = True
 
     # -- the key/shape mapping hook ------------------------------------------------------------
     def map_tensor(self, name: str, shape: Shape) -> tuple[str, Shape]:
@@ -114,6 +117,10 @@ class ArtifactOutput(ABC):
     def manifest_layout_record(self, plan: MergePlan, shards: Sequence[ShardRecord] = ()) -> dict[str, Any] | None:
         """The manifest's `original_layout` record, for an output that renames and fuses tensors (default: none);
         `shards`: the files written, whose records it may cite."""
+        return None
+
+    def manifest_quantization_record(self, plan: MergePlan) -> dict[str, Any] | None:
+        """The manifest's `quantization` record, for an output that encodes the weights (default: none)."""
         return None
 
     # -- what `test` checks --------------------------------------------------------------------

@@ -18,6 +18,7 @@ from mergeflow.outputs.comfyui_lora import ComfyuiLora
 from mergeflow.outputs.diffusers_lora import DiffusersLora
 from mergeflow.outputs.diffusers_pipeline import DiffusersPipeline
 from mergeflow.outputs.diffusers_transformer import DiffusersTransformer
+from mergeflow.outputs.gguf import Gguf
 from mergeflow.outputs.lora_adapter import AdapterOutput
 from mergeflow.outputs.peft_adapter import PeftAdapter
 from mergeflow.outputs.single_file import SingleFile
@@ -26,8 +27,8 @@ if TYPE_CHECKING:
     from mergeflow.records import MergePlan, OutputPlan, TensorWrite
 
 # Order matters only for listings: the first output_format row is the --output_format default's.
-_BUILTIN: tuple[ArtifactOutput, ...] = (DiffusersPipeline(), DiffusersTransformer(), SingleFile(), PeftAdapter(), DiffusersLora(),
-                                        ComfyuiLora())
+_BUILTIN: tuple[ArtifactOutput, ...] = (DiffusersPipeline(), DiffusersTransformer(), SingleFile(), Gguf(), PeftAdapter(),
+                                        DiffusersLora(), ComfyuiLora())
 _OUTPUTS: dict[str, ArtifactOutput] = {}
 
 

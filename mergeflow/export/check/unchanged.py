@@ -54,6 +54,8 @@ def guard_unchanged(plan: MergePlan, shards: Sequence[ShardRecord], allow_unchan
     """
     from mergeflow.outputs.registry import output_of
 
+    if not output_of(plan).compares_unchanged:
+        return None
     base_dir = Path(plan.base.component_dir)
     # No local base weights under the base's weights name (a Hub-named base; an architecture whose
     # base is stored differently): nothing to compare with, so the export is as it was without the guard.

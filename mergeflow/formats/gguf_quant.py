@@ -1,0 +1,138 @@
+"""GGUF tensor encodings (F32, BF16, Q8_0) and the figures that prove them, with and without the source.
+
+Used at write time (the source is at hand: every error is measured) and by `test` (no source: gguf-py's
+own `dequantize` reproduces the recorded digests, the file's own scales bound the error).
+
+Q8_0 (ggml's, as `gguf.quants` implements it bit for bit): each block of 32 values `x` is stored as
+one float16 scale `d_h = f16(d)`, `d = max|x| / 127` (float32), and 32 int8 `q = round(x / d)`
+(computed as `x * (1/d)` in float32, ties away from zero); it reads back as `q * d_h`. So
+
+    |x - q d_h| <= |x - q d| + |q| |d - d_h|
+               <= d/2 (rounding) + 127 |d| 2^-22 (the float32 product x * (1/d)) + 127 |d - d_h|
+
+and `d` rounds to `d_h` in float16, so `|d - d_h| <= h`, half a float16 ulp at `d_h` (2^-25 below the
+float16 normal range; the ulp above a power of two is the larger one, so the bound holds on either
+side), hence `d <= d_h + h` and the bound per block, from the file alone:
+
+    B(d_h) = (d_h + h) / 2 + 127 h + 2^-15 (d_h + h)
+
+(the last term is 127 * 2^-22 rounded up: the float32 products and the float32 dequantized values,
+which are exact products of an int8 and a float16, never exceed it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+GgufType = Literal["F32", "BF16", "Q8_0"]
+Q8_0_BLOCK = 32
+Q8_0_BYTES = 34  # a float16 scale and 32 int8
+
+
+def sha256_array(array: np.ndarray) -> str:
+    """sha256 of an array's bytes in C order (no copy of a contiguous array)."""
+    return hashlib.sha256(memoryview(np.ascontiguousarray(array)).cast("B")).hexdigest()
+
+
+def q8_0_quantize(values: np.ndarray) -> np.ndarray:
+    """ggml's Q8_0 of a float32 array, by gguf-py (`gguf.quants.quantize`, bit for bit ggml's reference)."""
+    import gguf
+
+    return gguf.quants.quantize(np.ascontiguousarray(values, dtype=np.float32), gguf.GGMLQuantizationType.Q8_0)
+
+
+def q8_0_dequantize(stored: torch.Tensor) -> torch.Tensor:
+    """`q * d_h` in float32, as `gguf.quants.dequantize` computes it (each product of an int8 and a float16 is
+    exact in float32, so the two agree bit for bit: `test` recomputes it with gguf-py), in torch: 3x faster."""
+    import torch
+
+    blocks = stored.reshape(-1, Q8_0_BYTES)
+    d = blocks[:, :2].contiguous().view(torch.float16).to(torch.float32)
+    q = blocks[:, 2:].contiguous().view(torch.int8).to(torch.float32)
+    return (q * d).reshape(*stored.shape[:-1], stored.shape[-1] // Q8_0_BYTES * Q8_0_BLOCK)
+
+
+def q8_0_scales(raw: np.ndarray) -> np.ndarray:
+    """The float16 scale of every Q8_0 block of a stored tensor (its raw uint8 bytes), as float64."""
+    blocks = np.ascontiguousarray(raw).reshape(-1, Q8_0_BYTES)
+    return blocks[:, :2].copy().view(np.float16).reshape(-1).astype(np.float64)
+
+
+def q8_0_bounds(scales: np.ndarray) -> np.ndarray:
+    """The largest dequantization error each block may have, from its stored scale alone (module docstring)."""
+    d_h = np.abs(scales)
+    exponent = np.floor(np.log2(np.maximum(d_h, 2.0**-14)))
+    half_ulp = np.where(d_h < 2.0**-14, 2.0**-25, 2.0 ** (exponent - 11))
+    top = d_h + half_ulp
+    return top / 2 + 127 * half_ulp + 2.0**-15 * top
+
+
+def dequantize(stored: np.ndarray, kind: GgufType) -> np.ndarray:
+    """float32 values of a stored tensor, as `gguf.quants.dequantize` (what ComfyUI-GGUF computes) gives them."""
+    import gguf
+
+    return gguf.quants.dequantize(stored, gguf.GGMLQuantizationType[kind]).astype(np.float32, copy=False)
+
+
+@dataclass(frozen=True)
+class StoredFigures:
+    """What the file alone says of one tensor: its bytes' and dequantized values' digests, its Q8_0 scales."""
+
+    stored_sha256: str
+    dequantized_sha256: str
+    blocks: int = 0
+    scale_min: float = 0.0
+    scale_max: float = 0.0
+    max_bound: float = 0.0  # the largest per-block bound B(d_h)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"stored_sha256": self.stored_sha256, "dequantized_sha256": self.dequantized_sha256}
+        if self.blocks:
+            out.update(blocks=self.blocks, scale_min=self.scale_min, scale_max=self.scale_max, max_bound=self.max_bound)
+        return out
+
+
+def stored_figures(stored: np.ndarray, kind: GgufType, dequantized: np.ndarray) -> StoredFigures:
+    """The figures of a tensor as stored (raw bytes for Q8_0/BF16, float32 for F32) and as dequantized."""
+    figures = StoredFigures(sha256_array(stored), sha256_array(dequantized))
+    if kind != "Q8_0":
+        return figures
+    scales = q8_0_scales(stored)
+    return StoredFigures(figures.stored_sha256, figures.dequantized_sha256, blocks=int(scales.size),
+                         scale_min=float(np.abs(scales).min()), scale_max=float(np.abs(scales).max()),
+                         max_bound=float(q8_0_bounds(scales).max()))
+
+
+def q8_0_errors(source: torch.Tensor, stored: torch.Tensor, dequantized: torch.Tensor) -> dict[str, float]:
+    """Measured against the source (float32): the max abs error, the max error relative to each block's
+    max |x| (0 for an all-zero block), and the max ratio of a block's error to its bound (must be <= 1).
+
+    In float64, in runs of blocks, so the float64 copies stay a few MB whatever the tensor's size."""
+    import torch
+
+    x_all = source.to(torch.float32).reshape(-1, Q8_0_BLOCK)
+    y_all = dequantized.reshape(-1, Q8_0_BLOCK)
+    bounds = torch.from_numpy(q8_0_bounds(q8_0_scales(stored.numpy())))
+    worst = {"max_abs_error": 0.0, "max_rel_error": 0.0, "bound_ratio": 0.0}
+    for start in range(0, x_all.shape[0], _ERROR_RUN):
+        x = x_all[start:start + _ERROR_RUN].to(torch.float64)
+        err = (x - y_all[start:start + _ERROR_RUN].to(torch.float64)).abs().amax(dim=1)
+        amax = x.abs().amax(dim=1)
+        # A scale that overflowed float16 dequantizes to inf or nan: never within any bound (nan would
+        # otherwise slip through the comparisons below).
+        err = torch.nan_to_num(err, nan=torch.inf)
+        rel = torch.where(amax > 0, err / torch.where(amax > 0, amax, 1.0), 0.0)
+        ratio = torch.nan_to_num(err / bounds[start:start + _ERROR_RUN], nan=torch.inf)
+        for key, value in (("max_abs_error", err.max()), ("max_rel_error", rel.max()), ("bound_ratio", ratio.max())):
+            worst[key] = max(worst[key], float(value))
+    return worst
+
+
+_ERROR_RUN = 1 << 15  # blocks per run of q8_0_errors: 1 Mi values
