@@ -105,6 +105,7 @@ def build_manifest(
         lora_fusion=lora_fusion,
         unchanged_check=unchanged,
         original_layout=output_of(plan).manifest_layout_record(plan),
+        quantization=output_of(plan).manifest_quantization_record(plan),
     )
 
 

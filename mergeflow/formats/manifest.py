@@ -123,6 +123,8 @@ class ManifestDocument(TypedDict):
     lora_adapter: NotRequired[LoraAdapterJson]
     unchanged_check: NotRequired[dict[str, int]]  # UnchangedMeasurement's counts
     original_layout: NotRequired[dict[str, Any]]  # a single file's key map (mergeflow/outputs/single_file.py)
+    # A quantized file: {"method", "excluded": [file keys kept unquantized], "tensors": {file key: {scale, errors, source_sha256}}}.
+    quantization: NotRequired[dict[str, Any]]
 
 
 # The records of a manifest. A merge builds one `Manifest` and serializes it once (`to_json`, at the
@@ -244,6 +246,7 @@ class Manifest:
     unchanged_check: UnchangedMeasurement | None = None  # only when the guard compared every tensor
     # An original single-file layout: {layout, params, key_map: file key -> [[source, first row, end row, swapped]]}.
     original_layout: Mapping[str, Any] | None = None
+    quantization: Mapping[str, Any] | None = None  # a quantized file's record (mergeflow/outputs/quantized.py)
     schema_version: int = SCHEMA_VERSION
     backend: str = "fsdp"
 
@@ -291,6 +294,8 @@ class Manifest:
                                      "differing_tensors": self.unchanged_check.differing_tensors}
         if self.original_layout is not None:
             data["original_layout"] = dict(self.original_layout)
+        if self.quantization is not None:
+            data["quantization"] = dict(self.quantization)
         return data
 
 
