@@ -24,26 +24,28 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _merge(ex: Export, target: Path, env: dict[str, str], fault: list[str] | None = None,
-           output_format: str = "transformer") -> subprocess.CompletedProcess[str]:
+           output_format: str = "transformer", quantize: str = "none") -> subprocess.CompletedProcess[str]:
     """The merge command; with `fault` (syscall_faults' options), under that fault."""
     args = ["merge", "--backend", "fsdp", "--local_dir", str(ex.actor_dir), "--base_model", str(ex.base_dir),
-            "--target_dir", str(target), "--output_format", output_format]
+            "--target_dir", str(target), "--output_format", output_format, "--quantize", quantize]
     return syscall_faults.mergeflow(fault, args, env) if fault else forked_cli.mergeflow(args, env)
 
 
-# single_file: Flux's original layout, whose fused tensors the writer builds from several sources.
-@pytest.mark.parametrize("output_format", ["transformer", "single_file"])
+# single_file: Flux's original layout, whose fused tensors the writer builds from several sources;
+# with fp8, also the kept quantization records (work/quantization-*.json) the manifest is built from.
+@pytest.mark.parametrize(("output_format", "quantize"), [("transformer", "none"), ("single_file", "none"),
+                                                         ("single_file", "fp8")])
 def test_a_kill_at_every_durable_write_resumes_to_the_same_bytes(tmp_path: Path, prefect_server, prefect_api,  # type: ignore[no-untyped-def]
-                                                                 output_format: str) -> None:
+                                                                 output_format: str, quantize: str) -> None:
     ex = make_export(tmp_path, "FluxTransformer2DModel", 2)
     env = {**prefect_server.client_env(), "HF_HUB_OFFLINE": "1"}
     reference = tmp_path / "reference"
-    merge_model(ex.config(reference, output_format=output_format))  # the same flow the CLI runs; the CLI runs are the killed ones
+    merge_model(ex.config(reference, output_format=output_format, quantize=quantize))  # the same flow the CLI runs; the CLI runs are the killed ones
     want = tree_digest(reference)
     killed = 0
     for n in range(1, 40):
         target = tmp_path / f"out-{n}"
-        proc = _merge(ex, target, env, ["--kill-at-write", str(n)], output_format)
+        proc = _merge(ex, target, env, ["--kill-at-write", str(n)], output_format, quantize)
         if proc.returncode == 0:  # the export has fewer than n durable writes: every site was hit
             assert tree_digest(target) == want
             break
@@ -52,7 +54,7 @@ def test_a_kill_at_every_durable_write_resumes_to_the_same_bytes(tmp_path: Path,
         assert not target.exists(), f"a kill at write {n} published a partial target"
         # The rerun runs in this process (the same flow as the CLI, without another interpreter start):
         # what is under test is what the killed process left behind.
-        assert merge_model(ex.config(target, output_format=output_format)).output_dir == str(target), \
+        assert merge_model(ex.config(target, output_format=output_format, quantize=quantize)).output_dir == str(target), \
             f"the rerun after a kill at write {n} failed"
         assert tree_digest(target) == want, f"the resumed artifact after a kill at write {n} differs"
         assert leftovers(tmp_path, f".{target.name}.") == [], "the resume left staging or a lock behind"

@@ -186,7 +186,7 @@ def test_test_refuses_a_record_that_does_not_fit_the_file(tmp_path: Path, prefec
     manifest = json.loads((out / "merge_manifest.json").read_text())
     check_quantization(out / FILE, manifest["original_layout"], manifest)  # as published: passes
     record = manifest["quantization"]
-    first = sorted(record["tensors"])[0]
+    first = min(record["tensors"])
     if edit == "scale":
         record["tensors"][first]["scale"] *= 2
     elif edit == "error":

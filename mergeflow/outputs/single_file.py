@@ -34,9 +34,15 @@ if TYPE_CHECKING:
     from mergeflow.architectures.registry import BaseLayout
     from mergeflow.config import ModelMergerConfig
     from mergeflow.export.plan.targets import TargetSchema
-    from mergeflow.formats.model_config import ModelConfig
     from mergeflow.export.reconstruct.rebuild import PieceSource
-    from mergeflow.records import MergePlan, OutputPlan, ShardPlan, ShardRecord, TensorWrite
+    from mergeflow.formats.model_config import ModelConfig
+    from mergeflow.records import (
+        MergePlan,
+        OutputPlan,
+        ShardPlan,
+        ShardRecord,
+        TensorWrite,
+    )
 
 ARTIFACT_TYPE = "single_file"
 MODELSPEC_VERSION = "1.0.0"
@@ -104,15 +110,14 @@ class SingleFile(DiffusersTransformer):
             layout_for,
             original_shapes,
         )
-        from mergeflow.formats.manifest import producer_versions
-        from mergeflow.records import Conversion
-
         from mergeflow.architectures.quantization import (
             FP8,
             METADATA_KEY,
             QUANTIZE_PARAM,
             comfy_metadata,
         )
+        from mergeflow.formats.manifest import producer_versions
+        from mergeflow.records import Conversion
 
         inner, schema = self.target_and_schema(config, base, layout, actor_config)
         original = layout_for(schema.class_name)
