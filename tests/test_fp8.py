@@ -250,3 +250,33 @@ def test_a_lora_adapter_export_with_quantize_is_refused_and_a_fused_one_quantize
     manifest = json.loads((out / "merge_manifest.json").read_text())
     assert "lora_fusion" in manifest and manifest["quantization"]["tensors"]
     assert validate_artifact(out)["integrity"] == "passed"
+
+
+def test_the_ui_summary_says_it_is_quantized_how_and_the_worst_error(tmp_path: Path, prefect_api: object) -> None:
+    from mergeflow.flows.artifacts import quantization_rows
+
+    ex = make_export(tmp_path / "ckpt", "WanTransformer3DModel", world_size=2)
+    out = Path(merge_model(ex.config(tmp_path / "fp8", output_format="single_file", quantize="fp8")).output_dir)
+    record = json.loads((out / "merge_manifest.json").read_text())["quantization"]
+    rows = quantization_rows(record)
+    worst = max(record["tensors"].values(), key=lambda e: e["max_rel_error"])
+    assert rows[0].startswith(f"| quantized | {METHOD}: {len(record['tensors'])} tensors quantized")
+    assert f"{worst['max_abs_error']:.3g} abs" in rows[1] and quantization_rows(None) == []
+
+
+def test_served_and_backfilled_settings_carry_quantize(tmp_path: Path) -> None:
+    from mergeflow.flows.checkpoint import resolve_checkpoint_config
+    from mergeflow.io.confinement import Confinement
+    from mergeflow.ops.serve_settings import ServeSettings
+
+    actor = tmp_path / "run" / "global_step_3" / "actor"
+    actor.mkdir(parents=True)
+    (tmp_path / "base").mkdir()
+    (tmp_path / "out").mkdir()
+    confinement = Confinement.of([str(tmp_path / "run")], str(tmp_path / "out"), [str(tmp_path / "base")])
+    config = resolve_checkpoint_config({"local_dir": str(actor)}, confinement=confinement, base_model=str(tmp_path / "base"),
+                                       target_root=str(tmp_path / "out"), output_format="single_file", quantize="fp8")
+    assert config.quantize == "fp8"
+    settings = ServeSettings(base_model="/b", target_root="/t", checkpoint_roots=("/c",), output_format="single_file",
+                             quantize="fp8")
+    assert settings.parameters()["quantize"] == settings.backfill_parameters()["quantize"] == "fp8"
