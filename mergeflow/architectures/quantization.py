@@ -134,20 +134,26 @@ def error_stats(source: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, name
 
     from mergeflow.errors import CheckpointError
 
+    # Few full-size temporaries (float32 and int32 copies of the tensor): peak about four of them.
     x = source.to(torch.float32)
     s = float(scale)
-    deq = q.to(torch.float32).mul_(scale)
-    err = deq.sub_(x).abs_()
-    y = x / scale
-    _, exponent = torch.frexp(y)  # |y| = m * 2**e with m in [0.5, 1): floor(log2|y|) = e - 1
-    binade = (exponent - 1).clamp_(min=E4M3_MIN_NORMAL_EXP)
-    bound = torch.exp2(binade.sub_(E4M3_MANTISSA_BITS).to(torch.float32)).mul_(0.5 * s)  # powers of two: exact
-    bound.add_(x.abs().mul_(FLOAT32_SLACK))
+    err = q.to(torch.float32).mul_(scale).sub_(x).abs_()
+    _, exponent = torch.frexp(x / scale)  # y = x / scale as quantize computes it; |y| = m * 2**e, m in [0.5, 1)
+    # floor(log2|y|) = e - 1, never below e4m3's smallest normal exponent (the subnormals' fixed spacing).
+    bound = exponent.sub_(1).clamp_(min=E4M3_MIN_NORMAL_EXP).sub_(E4M3_MANTISSA_BITS).to(torch.float32)
+    del exponent
+    torch.exp2(bound, out=bound).mul_(0.5 * s)  # half an ulp times the scale: powers of two, exact
+    bound.add_(x.abs(), alpha=FLOAT32_SLACK)
     if not bool((err <= bound).all()):
         worst = int(torch.argmax(err - bound))
         raise CheckpointError(f"{name}: dequantized element {worst} is {float(err.reshape(-1)[worst]):.3e} from its "
                               f"source, beyond half an e4m3 ulp times the scale ({float(bound.reshape(-1)[worst]):.3e})")
-    amax = float(x.abs().max()) if x.numel() else 0.0
+    del bound
+    if x.numel():
+        low, high = torch.aminmax(x)
+        amax = max(abs(float(low)), abs(float(high)))
+    else:
+        amax = 0.0
     max_abs = float(err.max()) if err.numel() else 0.0
     raw = source.contiguous().reshape(-1).view(torch.uint8).numpy()
     return {
