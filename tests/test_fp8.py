@@ -280,3 +280,10 @@ def test_served_and_backfilled_settings_carry_quantize(tmp_path: Path) -> None:
     settings = ServeSettings(base_model="/b", target_root="/t", checkpoint_roots=("/c",), output_format="single_file",
                              quantize="fp8")
     assert settings.parameters()["quantize"] == settings.backfill_parameters()["quantize"] == "fp8"
+
+
+def test_fp8_with_another_dtype_is_refused_before_any_work(tmp_path: Path, prefect_api: object) -> None:
+    ex = make_export(tmp_path / "ckpt", "QwenImageTransformer2DModel", world_size=2)
+    with pytest.raises(UsageError, match="--quantize fp8 writes every unquantized tensor bf16"):
+        merge_model(ex.config(tmp_path / "out", output_format="single_file", quantize="fp8", dtype="float16"))
+    assert not (tmp_path / "out").exists()

@@ -92,6 +92,12 @@ class SingleFile(DiffusersTransformer):
     writer: ClassVar[WeightsWriter] = SingleFileWriter()
     quantizations: ClassVar[tuple[str, ...]] = ("fp8",)
 
+    def check_quantize(self, config: ModelMergerConfig) -> None:
+        super().check_quantize(config)
+        if config.quantize == "fp8" and config.dtype not in ("preserve", "bfloat16"):
+            raise UsageError(f"--quantize fp8 writes every unquantized tensor bf16 (as ComfyUI's fp8 files hold them), "
+                             f"not {config.dtype}: drop --dtype or pass --dtype bfloat16")
+
     def check_base(self, config: ModelMergerConfig, layout: BaseLayout) -> None:
         """Refuse, before any work, an architecture no single-file loader reads (Boogu-Image)."""
         from mergeflow.architectures.original_layout import NO_SINGLE_FILE
