@@ -24,8 +24,10 @@ from mergeflow.io.jsonfiles import write_json_durable
 from mergeflow.records import ArchitectureOp, ShardPlan, ShardRecord, TensorWrite
 
 _LOCK = threading.Lock()
-_STATS: dict[str, dict[str, Any]] = {}  # weight key -> its record, measured while verifying
-_SCALES: dict[str, torch.Tensor] = {}  # scale key -> the scale its weight's verification recomputed
+# Keyed by the file's piece source (one per file being written: concurrent exports in one process,
+# e.g. a served deployment's, never see each other's tensors) and the tensor's key.
+_STATS: dict[tuple[int, str], dict[str, Any]] = {}  # weight key -> its record, measured while verifying
+_SCALES: dict[tuple[int, str], torch.Tensor] = {}  # scale key -> the scale its weight's verification recomputed
 
 
 def _source(spec: ArchitectureOp, states: PieceSource) -> torch.Tensor:
@@ -49,13 +51,13 @@ def verify_quantized(tw: TensorWrite, spec: ArchitectureOp, written: torch.Tenso
             raise CheckpointError(f"{tw.name}: round trip failed, the written float8 weight differs from its quantized source")
         stats = error_stats(source, written, scale, tw.name)
         with _LOCK:
-            _STATS[tw.name] = stats
-            _SCALES[tw.name.removesuffix(".weight") + ".weight_scale"] = scale
+            _STATS[id(states), tw.name] = stats
+            _SCALES[id(states), tw.name.removesuffix(".weight") + ".weight_scale"] = scale
         return
     if spec.op != OP_SCALE:
         raise CheckpointError(f"{tw.name}: {spec.op!r} is no quantization op")
     with _LOCK:
-        scale = _SCALES.pop(tw.name, None)  # its weight, verified just before (name order), recomputed it
+        scale = _SCALES.pop((id(states), tw.name), None)  # its weight, verified just before (name order), recomputed it
     if scale is None:
         scale = scale_of(_source(spec, states))
     if written.dtype != torch.float32 or not torch.equal(bits(scale.reshape(written.shape)), bits(written)):
@@ -75,14 +77,15 @@ def write_measured_file(shard: ShardPlan, states: PieceSource, tensor_dir: Path,
     from mergeflow.export.write.shard_writer import open_tensors, write_shard_file
 
     names = [t.name for t in _quantized(shard)]
+    key = id(states)
     with _LOCK:
         for name in names:
-            _STATS.pop(name, None)
+            _STATS.pop((key, name), None)
     record = write_shard_file(shard, states, tensor_dir, work_dir)
     if not names:
         return record
     with _LOCK:
-        found = {name: _STATS.pop(name) for name in names if name in _STATS}
+        found = {name: _STATS.pop((key, name)) for name in names if (key, name) in _STATS}
     if len(found) != len(names):
         # The file was reused from an earlier attempt (a resume): its records were kept then, or
         # (killed in between) its tensors are proven and measured again here.
@@ -92,9 +95,9 @@ def write_measured_file(shard: ShardPlan, states: PieceSource, tensor_dir: Path,
         for tw in _quantized(shard):
             verify_quantized(tw, tw.transform, tensors[tw.name], states)  # type: ignore[arg-type]
         with _LOCK:
-            found = {name: _STATS.pop(name) for name in names}
+            found = {name: _STATS.pop((key, name)) for name in names}
             for name in names:
-                _SCALES.pop(name.removesuffix(".weight") + ".weight_scale", None)
+                _SCALES.pop((key, name.removesuffix(".weight") + ".weight_scale"), None)
     write_json_durable(stats_path(work_dir, shard.index),
                        {"fingerprint": shard.fingerprint, "tensors": dict(sorted(found.items()))})
     return record
