@@ -15,9 +15,11 @@ from mergeflow.config import (
     DEFAULT_DTYPE,
     DEFAULT_MAX_SHARD_SIZE,
     DEFAULT_OUTPUT_FORMAT,
+    DEFAULT_QUANTIZE,
     DEFAULT_WORKERS,
     DTYPES,
     OUTPUT_FORMATS,
+    QUANTIZATIONS,
 )
 from mergeflow.flows import cli
 from mergeflow.flows.ops_cli import add_task_runner_flags
@@ -38,6 +40,8 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     serve.add_argument("--output_format", "--output-format", dest="output_format", default=DEFAULT_OUTPUT_FORMAT, choices=OUTPUT_FORMATS,
                        help="what each triggered export writes: a whole pipeline, or the transformer alone")
     serve.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPES, help="dtype of the written weights (preserve: as trained)")
+    serve.add_argument("--quantize", default=DEFAULT_QUANTIZE, choices=QUANTIZATIONS,
+                       help="weight encoding: fp8 (single_file: ComfyUI's scaled float8); none keeps --dtype")
     serve.add_argument("--max_shard_size", "--max-shard-size", dest="max_shard_size", type=int, default=DEFAULT_MAX_SHARD_SIZE,
                        help="bytes per output .safetensors file (2147483648 = 2 GiB)")
     serve.add_argument("--hf_upload_path", "--hf-upload-path", dest="hf_upload_path",
@@ -64,6 +68,7 @@ def cmd_serve(args: argparse.Namespace) -> ServeResult:
         max_shard_size=args.max_shard_size, hf_upload_path=args.hf_upload_path, private=args.private,
         workers=args.workers, task_runner=args.task_runner, dask_address=args.dask_address,
         checkpoint_roots=tuple(args.checkpoint_roots), allowed_base_models=tuple(args.allowed_base_models),
+        quantize=args.quantize,
     ).checked()  # merge's pre-flight on serve's settings: what every triggered run would fail on, before any server
     use_prefect_api("serve")  # before Prefect is imported (the next import): it reads PREFECT_API_URL then
     from mergeflow.deployments.serve import serve_deployments, served_names

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import shlex
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 from uuid import UUID
 
 from prefect.artifacts import (
@@ -108,6 +110,7 @@ def summary_markdown(plan: MergePlan, manifest: Manifest, output_dir: str, total
         f"| tensors | {len(manifest.tensors)} ({human_bytes(tensor_bytes)}) |",
         f"| files | {len(manifest.files) + 1} ({human_bytes(total_bytes)}) |",
         f"| dtype policy | {manifest.dtype} |",
+        *quantization_rows(manifest.quantization),
         f"| source fingerprint | `{manifest.source_fingerprint[:16]}` |",
         "",
         "## Verification (all before publication)",
@@ -120,6 +123,22 @@ def summary_markdown(plan: MergePlan, manifest: Manifest, output_dir: str, total
         "",
         f"```\n{validate_command(output_dir)}\n```",
     ])
+
+
+def quantization_rows(record: Mapping[str, Any] | None) -> list[str]:
+    """A quantized file's rows: how, how many tensors, and the worst dequantization error (from the manifest)."""
+    if not record:
+        return []
+    tensors: Mapping[str, Mapping[str, Any]] = record.get("tensors") or {}
+    how = f"{record.get('method')}: {len(tensors)} tensors quantized, {len(record.get('excluded') or [])} kept bf16"
+    rows = [f"| quantized | {how} |"]
+    if tensors:
+        worst = max(tensors, key=lambda k: float(tensors[k]["max_rel_error"]))
+        entry = tensors[worst]
+        rows.append(f"| worst dequantization error | {float(entry['max_abs_error']):.3g} abs, "
+                    f"{float(entry['max_rel_error']):.3g} of the tensor's amax (`{worst}`); each weight within "
+                    "half an e4m3 ulp times its scale |")
+    return rows
 
 
 def publish_manifest_artifacts(plan: MergePlan, manifest: Manifest, output_dir: str, label: str) -> int:

@@ -16,11 +16,13 @@ from mergeflow.config import (
     DEFAULT_DTYPE,
     DEFAULT_MAX_SHARD_SIZE,
     DEFAULT_OUTPUT_FORMAT,
+    DEFAULT_QUANTIZE,
     DEFAULT_TASK_RUNNER,
     DEFAULT_WORKERS,
     Dtype,
     ModelMergerConfig,
     OutputFormat,
+    Quantize,
     TaskRunner,
 )
 from mergeflow.errors import UsageError
@@ -69,6 +71,7 @@ def backfill_flow(
     task_runner: TaskRunner = DEFAULT_TASK_RUNNER,
     dask_address: str | None = None,
     checkpoint_roots: list[str] | None = None,
+    quantize: Quantize = DEFAULT_QUANTIZE,
 ) -> BackfillSummary:
     """Export every complete, unpublished global_step_N of a training run, oldest first.
 
@@ -86,6 +89,7 @@ def backfill_flow(
         task_runner: thread: in this process; dask: on the Dask cluster at dask_address (shared filesystem).
         dask_address: Scheduler address of a running Dask cluster (default: a temporary local cluster).
         checkpoint_roots: Set by `mergeflow serve`: train_dir must lie below one of these (symlinks followed).
+        quantize: Weight encoding: fp8 with output_format single_file (ComfyUI's scaled float8); none keeps dtype.
     """
     # A served run: its paths come from a form or the API, so they get the limits serve gives events.
     confinement = Confinement.of(checkpoint_roots, target_root, [base_model]) if checkpoint_roots is not None else None
@@ -94,7 +98,8 @@ def backfill_flow(
     logger = get_run_logger()
     settings = BackfillSettings(train_dir=train_dir, base_model=base_model, target_root=target_root, run_name=run_name,
                                 output_format=output_format, dtype=dtype, allow_unchanged=allow_unchanged,
-                                stable_seconds=stable_seconds, max_shard_size=max_shard_size, workers=workers)
+                                stable_seconds=stable_seconds, max_shard_size=max_shard_size, workers=workers,
+                                quantize=quantize)
     runner = make_task_runner(task_runner, workers=workers, dask_address=dask_address)
 
     def merge(config: ModelMergerConfig) -> object:

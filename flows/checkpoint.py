@@ -20,12 +20,14 @@ from mergeflow.config import (
     DEFAULT_DTYPE,
     DEFAULT_MAX_SHARD_SIZE,
     DEFAULT_OUTPUT_FORMAT,
+    DEFAULT_QUANTIZE,
     DEFAULT_TASK_RUNNER,
     DEFAULT_WORKERS,
     Dtype,
     ModelMergerConfig,
     OutputFormat,
     PublishedMerge,
+    Quantize,
     TaskRunner,
 )
 from mergeflow.errors import UsageError
@@ -73,6 +75,7 @@ def resolve_checkpoint_config(
     hf_upload_path: str | None = None,
     private: bool = False,
     workers: int = DEFAULT_WORKERS,
+    quantize: Quantize = DEFAULT_QUANTIZE,
 ) -> ModelMergerConfig:
     """The merge config for one event payload; payload keys override the served defaults.
 
@@ -104,6 +107,7 @@ def resolve_checkpoint_config(
         target_dir=confinement.target(target),
         output_format=output_format,
         dtype=dtype,
+        quantize=quantize,
         max_shard_size=max_shard_size,
         hf_upload_path=format_with_checkpoint(hf_upload_path, run_name, step, "--hf_upload_path"),
         private=private,
@@ -162,6 +166,7 @@ def merge_checkpoint_flow(
     dask_address: str | None = None,
     checkpoint_roots: list[str] | None = None,
     allowed_base_models: list[str] | None = None,
+    quantize: Quantize = DEFAULT_QUANTIZE,
 ) -> PublishedMerge:
     """Export the checkpoint an event names (payload keys override these defaults).
 
@@ -183,12 +188,13 @@ def merge_checkpoint_flow(
         dask_address: Scheduler address of a running Dask cluster (default: a temporary local cluster).
         checkpoint_roots: An event's local_dir must lie below one of these (symlinks followed).
         allowed_base_models: Base models an event may name besides base_model.
+        quantize: Weight encoding: fp8 with output_format single_file (ComfyUI's scaled float8); none keeps dtype.
     """
     payload = payload_dict(checkpoint)
     confinement = Confinement.of(checkpoint_roots, target_root, [b for b in (base_model, *(allowed_base_models or ())) if b])
     config = resolve_checkpoint_config(
         payload, confinement=confinement, base_model=base_model, target_root=target_root, output_format=output_format, dtype=dtype,
-        max_shard_size=max_shard_size, hf_upload_path=hf_upload_path, private=private, workers=workers,
+        max_shard_size=max_shard_size, hf_upload_path=hf_upload_path, private=private, workers=workers, quantize=quantize,
     )
     target = Path(str(config.target_dir))
     if not Path(confinement.target_root).is_dir():

@@ -13,9 +13,11 @@ from typing import TypedDict
 from mergeflow.config import (
     DEFAULT_DTYPE,
     DEFAULT_OUTPUT_FORMAT,
+    DEFAULT_QUANTIZE,
     DEFAULT_TASK_RUNNER,
     DTYPES,
     OUTPUT_FORMATS,
+    QUANTIZATIONS,
     TASK_RUNNERS,
 )
 from mergeflow.errors import ConcurrentExportError
@@ -69,6 +71,8 @@ def add_backfill_command(sub: argparse._SubParsersAction) -> None:  # type: igno
     parser.add_argument("--output_format", "--output-format", dest="output_format", default=DEFAULT_OUTPUT_FORMAT,
                         choices=OUTPUT_FORMATS, help="a whole pipeline with the trained transformer, or the transformer alone")
     parser.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPES, help="dtype of the written weights (preserve: as trained)")
+    parser.add_argument("--quantize", default=DEFAULT_QUANTIZE, choices=QUANTIZATIONS,
+                        help="weight encoding: fp8 (single_file: ComfyUI's scaled float8); none keeps --dtype")
     parser.add_argument("--allow-unchanged", "--allow_unchanged", dest="allow_unchanged", action="store_true",
                         help="publish a step even when every tensor equals the base's")
     parser.add_argument("--stable-seconds", dest="stable_seconds", type=float, default=5.0,
@@ -78,7 +82,7 @@ def add_backfill_command(sub: argparse._SubParsersAction) -> None:  # type: igno
 
 def backfill_settings(args: argparse.Namespace) -> BackfillSettings:
     return BackfillSettings(train_dir=args.train_dir, base_model=args.base_model, target_root=args.target_root,
-                            run_name=args.run_name, output_format=args.output_format, dtype=args.dtype,
+                            run_name=args.run_name, output_format=args.output_format, dtype=args.dtype, quantize=args.quantize,
                             allow_unchanged=args.allow_unchanged, stable_seconds=args.stable_seconds)
 
 

@@ -31,10 +31,11 @@ def _merge(ex: Export, target: Path, env: dict[str, str], fault: list[str] | Non
     return syscall_faults.mergeflow(fault, args, env) if fault else forked_cli.mergeflow(args, env)
 
 
-# single_file: Flux's original layout, whose fused tensors the writer builds from several sources.
+# single_file: Flux's original layout, whose fused tensors the writer builds from several sources;
+# with fp8, also the kept quantization records (work/quantization-*.json) the manifest is built from.
 # gguf: the same tensors through the GGUF writer, whose resume record also holds the quantization record.
 @pytest.mark.parametrize(("output_format", "quantize"), [("transformer", "none"), ("single_file", "none"),
-                                                         ("gguf", "q8_0")])
+                                                         ("single_file", "fp8"), ("gguf", "q8_0")])
 def test_a_kill_at_every_durable_write_resumes_to_the_same_bytes(tmp_path: Path, prefect_server, prefect_api,  # type: ignore[no-untyped-def]
                                                                  output_format: str, quantize: str) -> None:
     ex = make_export(tmp_path, "FluxTransformer2DModel", 2)

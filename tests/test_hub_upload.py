@@ -291,13 +291,14 @@ def test_local_hub_server_speaks_tree_paths_info_and_resolve(hub, artifact):
     assert Path(local).read_bytes() == (artifact / WEIGHTS).read_bytes()
 
 
-def test_a_single_file_export_uploads_and_verifies(hub, tmp_path, prefect_api):
+@pytest.mark.parametrize("quantize", ["none", "fp8"])
+def test_a_single_file_export_uploads_and_verifies(hub, tmp_path, prefect_api, quantize):
     from builders import make_export
 
     from mergeflow import merge_model
 
     ex = make_export(tmp_path / "ckpt", "QwenImageTransformer2DModel", world_size=1)
-    out = Path(merge_model(ex.config(tmp_path / "out", output_format="single_file")).output_dir)
+    out = Path(merge_model(ex.config(tmp_path / "out", output_format="single_file", quantize=quantize)).output_dir)
     record = _upload(hub, out)
     _assert_hub_holds_artifact(hub, out)
     assert hub.files(REPO)["transformer.safetensors"].lfs

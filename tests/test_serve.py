@@ -263,6 +263,7 @@ def test_prefect_yaml_deploys_with_prefect_deploy_all(tmp_path: Path, prefect_se
     served = ServeSettings(base_model="/b", target_root="/t", checkpoint_roots=("/c",)).backfill_parameters()
     assert set(backfill.parameters) <= set(served), set(backfill.parameters) - set(served)
     assert backfill.parameter_openapi_schema["properties"]["dtype"]["enum"] == ["preserve", "float32", "float16", "bfloat16"]
+    assert backfill.parameters["quantize"] == merge.parameters["quantize"] == "none"
     assert merge.entrypoint == "mergeflow.flows.checkpoint.merge_checkpoint_flow"
     assert merge.parameters["base_model"] == "/models/base" and merge.parameters["target_root"] == "/exports"
     assert merge.parameters["checkpoint_roots"] == ["/checkpoints"] and merge.parameters["allowed_base_models"] == []

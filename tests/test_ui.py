@@ -125,6 +125,7 @@ def test_deployment_forms_are_typed(tmp_path: Path, prefect_api: object) -> None
     props = schema["properties"]
     assert props["output_format"]["enum"] == ["pipeline", "transformer", "single_file", "gguf"]
     assert props["dtype"]["enum"] == ["preserve", "float32", "float16", "bfloat16"]
+    assert props["quantize"]["enum"] == ["none", "fp8", "bf16", "q8_0"]
     assert props["task_runner"]["enum"] == ["thread", "dask"]
     assert all(p.get("description") for p in props.values()), [k for k, p in props.items() if not p.get("description")]
     payload = schema["definitions"]["CheckpointPayload"]
@@ -149,6 +150,7 @@ def test_deployment_forms_are_typed(tmp_path: Path, prefect_api: object) -> None
                 client.delete_deployment(i)
     stored = merge.parameter_openapi_schema
     assert stored["properties"]["dtype"]["enum"] == props["dtype"]["enum"]
+    assert stored["properties"]["quantize"]["enum"] == props["quantize"]["enum"]
     assert stored["definitions"]["CheckpointPayload"]["properties"]["step"]["description"]
     assert validate.parameter_openapi_schema["properties"]["test_hf_dir"]["description"]
     # The backfill form: the same choices as the merge's, every field described, train_dir the one to fill in.
@@ -156,8 +158,8 @@ def test_deployment_forms_are_typed(tmp_path: Path, prefect_api: object) -> None
     backfill_props = backfill_schema["properties"]
     assert backfill_schema["required"] == ["train_dir", "base_model", "target_root"]
     assert set(backfill.parameters) == {"base_model", "target_root", "output_format", "dtype", "max_shard_size", "workers",
-                                        "task_runner", "dask_address", "checkpoint_roots"}
-    assert all(backfill_props[k]["enum"] == props[k]["enum"] for k in ("output_format", "dtype", "task_runner"))
+                                        "task_runner", "dask_address", "checkpoint_roots", "quantize"}
+    assert all(backfill_props[k]["enum"] == props[k]["enum"] for k in ("output_format", "dtype", "quantize", "task_runner"))
     assert (backfill_props["max_shard_size"]["type"], backfill_props["stable_seconds"]["type"]) == ("integer", "number")
     assert all(p.get("description") for p in backfill_props.values()), [k for k, p in backfill_props.items() if not p.get("description")]
 

@@ -24,6 +24,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from mergeflow.architectures.quantization import FP8Rule
 from mergeflow.architectures.original_layout import (
     OriginalLayout,
     OriginalTensor,
@@ -146,4 +147,6 @@ ORIGINAL = OriginalLayout(
     implementation="https://github.com/black-forest-labs/flux",
     # FLUX.1's native resolution; kohya's sai_model_spec records 1024x1024 for every Flux.
     resolution=lambda config: "1024x1024",
+    # --quantize fp8: the blocks' linear weights; modulation and norms stay bf16 (see quantization.py).
+    fp8=FP8Rule(blocks=r"(double_blocks|single_blocks)\.\d+\.", keep=r"_mod\.|modulation|norm"),
 )

@@ -34,6 +34,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from mergeflow.architectures.quantization import FP8Rule
 from mergeflow.architectures.original_layout import (
     OriginalLayout,
     OriginalTensor,
@@ -138,4 +139,6 @@ ORIGINAL = OriginalLayout(
     implementation="https://github.com/Lightricks/LTX-2",
     # No resolution: LTX-2 is trained at many resolutions and its config names none (base_height
     # and base_width are the RoPE grid's normalisation, not an output size).
+    # --quantize fp8: the blocks' linear weights; modulation and norms stay bf16 (see quantization.py).
+    fp8=FP8Rule(blocks=r"(model\.diffusion_model\.)?transformer_blocks\.\d+\.", keep=r"scale_shift|norm|adaln|gate"),
 )

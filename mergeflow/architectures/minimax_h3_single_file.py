@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mergeflow.architectures.minimax_h3 import native_plan
+from mergeflow.architectures.quantization import FP8Rule
 from mergeflow.architectures.original_layout import (
     Op,
     OriginalLayout,
@@ -61,4 +62,6 @@ ORIGINAL = OriginalLayout(
     implementation="https://github.com/MiniMax-AI/MiniMax-H3",
     # No native resolution: H3 generates many aspect ratios at a 768-pixel short side.
     loader_kwargs=lambda config: {"qkv_layout": QKV_LAYOUT},
+    # --quantize fp8: the blocks' linear weights; modulation and norms stay bf16 (see quantization.py).
+    fp8=FP8Rule(blocks=r"blocks\.\d+\.", keep=r"modulation|adaLN|norm"),
 )

@@ -25,6 +25,16 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from mergeflow.architectures.adapters import AdapterParams, ArchitectureAdapter
 from mergeflow.architectures.class_plugins import plugin_for
+from mergeflow.architectures.quantization import (
+    FP8,
+    FP8_DTYPE,
+    OP_SCALE,
+    OP_WEIGHT,
+    QUANTIZE_PARAM,
+    FP8Rule,
+    quantized_keys,
+    scale_key,
+)
 from mergeflow.errors import SchemaMismatchError
 
 if TYPE_CHECKING:
@@ -71,6 +81,8 @@ class OriginalLayout:
     resolution: Callable[[Mapping[str, Any]], str | None] = lambda config: None
     # Extra keyword arguments `from_single_file` needs to read this layout back (e.g. H3's qkv layout).
     loader_kwargs: Callable[[Mapping[str, Any]], dict[str, Any]] = lambda config: {}
+    # Which tensors `--quantize fp8` stores as float8 (None: the layout offers no fp8 file).
+    fp8: FP8Rule | None = None
 
 
 # Transformer class -> the module (under mergeflow.architectures) whose ORIGINAL is its layout;
@@ -150,8 +162,24 @@ def checked_plan(layout: OriginalLayout, shapes: Mapping[str, Shape], params: Ma
 
 
 def original_shapes(layout: OriginalLayout, shapes: Mapping[str, Shape], params: Mapping[str, Any]) -> dict[str, Shape]:
-    """The original file's exact tensor set (name -> shape)."""
-    return {t.name: output_shape(t, shapes) for t in checked_plan(layout, shapes, params)}
+    """The original file's exact tensor set (name -> shape), with an fp8 file's scale tensors."""
+    out = {t.name: output_shape(t, shapes) for t in checked_plan(layout, shapes, params)}
+    for key in fp8_keys(layout, out, params):
+        out[scale_key(key)] = ()
+    return out
+
+
+def fp8_rule(layout: OriginalLayout) -> FP8Rule:
+    if layout.fp8 is None:
+        raise SchemaMismatchError(f"the {layout.name} layout declares no fp8 quantization rule")
+    return layout.fp8
+
+
+def fp8_keys(layout: OriginalLayout, original: Mapping[str, Shape], params: Mapping[str, Any]) -> list[str]:
+    """The file keys stored as float8 (none unless the conversion's params say `quantize: fp8`)."""
+    if params.get(QUANTIZE_PARAM) != FP8:
+        return []
+    return quantized_keys(fp8_rule(layout), {k: v for k, v in original.items()})
 
 
 def key_map(layout: OriginalLayout, shapes: Mapping[str, Shape], params: Mapping[str, Any]) -> dict[str, list[list[Any]]]:
@@ -219,21 +247,52 @@ def plan_original_writes(writes: list[TensorWrite], layout: OriginalLayout, para
 
     by_name = {w.name: w for w in writes}
     shapes = {w.name: tuple(w.layout.shape) for w in writes}
+    planned = checked_plan(layout, shapes, params)
+    quantized = set(fp8_keys(layout, {t.name: output_shape(t, shapes) for t in planned}, params))
     out: list[TensorWrite] = []
-    for tensor in checked_plan(layout, shapes, params):
+    for tensor in planned:
         parts = [by_name[s] for s in tensor.sources]
+        if quantized:  # an fp8 file: every tensor not stored as float8 is bf16 (what ComfyUI's loader expects)
+            parts = [_in_dtype(p, "bfloat16") for p in parts]
         first = parts[0]
         if tensor.op == "rename":
-            out.append(TensorWrite(tensor.name, first.source_key, first.layout, first.out_dtype, first.transform))
-            continue
-        if len({p.out_dtype for p in parts}) != 1:
-            raise SchemaMismatchError(f"{', '.join(tensor.sources)} would be written in different dtypes; "
-                                      f"they cannot be fused into {tensor.name}")
-        spec = ArchitectureOp(tensor.op, tuple(_source(p) for p in parts), {})
-        shape = output_shape(tensor, shapes)
-        out.append(TensorWrite(tensor.name, first.source_key, _virtual(tensor.name, first.out_dtype, shape),
-                               first.out_dtype, spec))
+            made = TensorWrite(tensor.name, first.source_key, first.layout, first.out_dtype, first.transform)
+        else:
+            if len({p.out_dtype for p in parts}) != 1:
+                raise SchemaMismatchError(f"{', '.join(tensor.sources)} would be written in different dtypes; "
+                                          f"they cannot be fused into {tensor.name}")
+            spec = ArchitectureOp(tensor.op, tuple(_source(p) for p in parts), {})
+            shape = output_shape(tensor, shapes)
+            made = TensorWrite(tensor.name, first.source_key, _virtual(tensor.name, first.out_dtype, shape),
+                               first.out_dtype, spec)
+        out.extend(_fp8_writes(made) if tensor.name in quantized else [made])
     return out
+
+
+def _in_dtype(write: TensorWrite, dtype: str) -> TensorWrite:
+    from dataclasses import replace
+
+    if write.layout.dtype not in ("float32", "float16", "bfloat16", "float64"):
+        return write
+    if write.transform is not None and write.layout.shard_dim is None and not write.layout.chunk_ranks:
+        # A computed write's layout describes its output: it follows the output dtype.
+        return replace(write, out_dtype=dtype, layout=replace(write.layout, dtype=dtype))
+    return replace(write, out_dtype=dtype)
+
+
+def _fp8_writes(write: TensorWrite) -> list[TensorWrite]:
+    """A quantized tensor's two writes: the float8 weight and its float32 scale, both computed from the
+    bf16 original-layout tensor (`write`), which is never stored itself."""
+    from mergeflow.records import ArchitectureOp, TensorWrite
+
+    source = (_source(write),)
+    params: dict[str, int | float | str | None] = {"source_dtype": write.out_dtype}
+    weight = TensorWrite(write.name, write.source_key, _virtual(write.name, FP8_DTYPE, write.layout.shape), FP8_DTYPE,
+                         ArchitectureOp(OP_WEIGHT, source, params))
+    key = scale_key(write.name)
+    scale = TensorWrite(key, write.source_key, _virtual(key, "float32", ()), "float32",
+                        ArchitectureOp(OP_SCALE, source, params))
+    return [weight, scale]
 
 
 class OriginalLayoutConversion(ArchitectureAdapter):
@@ -245,12 +304,19 @@ class OriginalLayoutConversion(ArchitectureAdapter):
 
     name: ClassVar[str] = "original_layout"
     instantiates_model: ClassVar[bool] = True
-    ops: ClassVar[tuple[str, ...]] = ("cat", "swap_halves")
+    ops: ClassVar[tuple[str, ...]] = ("cat", "swap_halves", OP_WEIGHT, OP_SCALE)
 
     def convert_writes(self, writes: list[TensorWrite], params: Mapping[str, Any]) -> list[TensorWrite]:
         return plan_original_writes(writes, layout_named(str(params[LAYOUT_PARAM])), params)
 
     def apply_op(self, spec: ArchitectureOp, inputs: list[torch.Tensor]) -> torch.Tensor:
+        if spec.op in (OP_WEIGHT, OP_SCALE):
+            from mergeflow.architectures.quantization import quantize, scale_of
+            from mergeflow.export.reconstruct.rebuild import cast
+
+            source = cast(inputs[0], str(spec.params["source_dtype"]), "a tensor to quantize")
+            scale = scale_of(source)
+            return scale if spec.op == OP_SCALE else quantize(source, scale)
         return apply(spec.op, inputs)
 
     def concatenates(self, spec: ArchitectureOp) -> bool:

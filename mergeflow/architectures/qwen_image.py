@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from mergeflow.architectures.quantization import FP8Rule
 from mergeflow.architectures.original_layout import (
     OriginalLayout,
     OriginalTensor,
@@ -27,4 +28,6 @@ ORIGINAL = OriginalLayout(
     plan=plan,
     architecture=lambda config: "qwen-image",
     implementation="https://github.com/QwenLM/Qwen-Image",
+    # --quantize fp8: the blocks' linear weights; modulation and norms stay bf16 (see quantization.py).
+    fp8=FP8Rule(blocks=r"transformer_blocks\.\d+\.", keep=r"_mod\.|norm"),
 )

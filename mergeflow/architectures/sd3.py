@@ -21,6 +21,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from mergeflow.architectures.quantization import FP8Rule
 from mergeflow.architectures.original_layout import (
     OriginalLayout,
     OriginalTensor,
@@ -146,4 +147,6 @@ ORIGINAL = OriginalLayout(
     architecture=architecture,
     implementation="https://github.com/Stability-AI/sd3.5",  # SAI's MMDiT-X reference (SD3 and SD3.5)
     resolution=lambda config: "1024x1024",  # every SD3 / SD3.5 release is trained for 1024²
+    # --quantize fp8: the blocks' linear weights; modulation and norms stay bf16 (see quantization.py).
+    fp8=FP8Rule(blocks=r"(model\.diffusion_model\.)?joint_blocks\.\d+\.", keep=r"adaLN_modulation|norm"),
 )

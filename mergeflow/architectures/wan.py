@@ -23,6 +23,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from mergeflow.architectures.quantization import FP8Rule
 from mergeflow.architectures.original_layout import (
     OriginalLayout,
     OriginalTensor,
@@ -183,4 +184,6 @@ ORIGINAL = OriginalLayout(
     # No loader_kwargs: `from_single_file(file, config=<transformer config>)` reads it. (Without
     # torch_dtype it loads float32, exactly; torch_dtype=bfloat16 would round the float32-kept
     # time embedder, modulations and norms, since Diffusers keeps them float32 only for float16.)
+    # --quantize fp8: the blocks' linear weights; modulation and norms stay bf16 (see quantization.py).
+    fp8=FP8Rule(blocks=r"blocks\.\d+\.", keep=r"modulation|norm"),
 )

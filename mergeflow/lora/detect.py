@@ -40,6 +40,16 @@ def adapter_weights_name(adapter_format: str) -> str:
     return adapter_output(adapter_format).weights_name
 
 
+QUANTIZE_NEEDS_MODEL = ("--quantize needs a full model (a full checkpoint, or a LoRA one with --fuse-lora): "
+                        "a LoRA checkpoint is exported as an adapter, which is never quantized")
+
+
+def refuse_quantized_adapter(config: ModelMergerConfig) -> None:
+    """A LoRA checkpoint without --fuse-lora exports its adapter: --quantize has nothing to quantize."""
+    if config.quantize != "none" and not config.fuse_lora:
+        raise UsageError(QUANTIZE_NEEDS_MODEL)
+
+
 def _refuse_lora_flags(config: ModelMergerConfig) -> None:
     if config.fuse_lora:
         raise UsageError("--fuse-lora needs a LoRA checkpoint, but this one has no LoRA adapters "
@@ -115,6 +125,7 @@ def detect_lora(config: ModelMergerConfig, checkpoint: OpenedCheckpoint) -> Lora
     require_adapter(grouped, config.adapter_name)
     if config.fuse_lora and config.adapter_format != DEFAULT_ADAPTER_FORMAT:  # the flag given
         raise UsageError("--adapter-format chooses how an adapter is exported; with --fuse-lora no adapter is written")
+    refuse_quantized_adapter(config)
     settings, origin, path = _settings(config, actor, meta)
     source_files = {LORA_META: sha256_file(actor / LORA_META)} if has_meta else {}
     config_sha = None

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from mergeflow.architectures.conversions import apply_transform
+from mergeflow.architectures.quantization import OPS as QUANTIZED_OPS
 from mergeflow.errors import CheckpointError, InputChangedError
 from mergeflow.export.reconstruct.rebuild import (
     PieceSource,
@@ -118,6 +119,11 @@ def verify_transformed(tw: TensorWrite, written: torch.Tensor, states: PieceSour
     """Round trip of a computed tensor: every source re-verified bit for bit, then the written bytes recomputed."""
     if tuple(written.shape) != tw.layout.shape:
         raise CheckpointError(f"{tw.name}: written shape {list(written.shape)} differs from {list(tw.layout.shape)}")
+    if isinstance(tw.transform, ArchitectureOp) and tw.transform.op in QUANTIZED_OPS:
+        from mergeflow.export.write.quantized import verify_quantized
+
+        verify_quantized(tw, tw.transform, written, states)  # recomputed bit for bit, and within the fp8 bound
+        return
     expected = transformed_tensor(tw, states, verify=True)
     if expected.dtype != written.dtype or not torch.equal(bits(expected), bits(written)):
         raise CheckpointError(f"{tw.name}: round trip failed, the written tensor differs from its recomputed value")

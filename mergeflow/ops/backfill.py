@@ -24,10 +24,12 @@ from mergeflow.config import (
     DEFAULT_DTYPE,
     DEFAULT_MAX_SHARD_SIZE,
     DEFAULT_OUTPUT_FORMAT,
+    DEFAULT_QUANTIZE,
     DEFAULT_WORKERS,
     Dtype,
     ModelMergerConfig,
     OutputFormat,
+    Quantize,
 )
 from mergeflow.errors import UsageError
 from mergeflow.io.staging import staging_dirs_of
@@ -53,6 +55,7 @@ class BackfillSettings:
     # The served deployment passes serve's own, so a backfilled step is sharded like a triggered one.
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
     workers: int = DEFAULT_WORKERS
+    quantize: Quantize = DEFAULT_QUANTIZE
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,7 @@ def _one_step(settings: BackfillSettings, step: int, actor_dir: Path, target: Pa
     target.parent.mkdir(parents=True, exist_ok=True)
     config = ModelMergerConfig(operation="merge", local_dir=str(actor_dir), base_model=settings.base_model,
                                target_dir=str(target), output_format=settings.output_format, dtype=settings.dtype,
+                               quantize=settings.quantize,
                                allow_unchanged=settings.allow_unchanged, max_shard_size=settings.max_shard_size,
                                workers=settings.workers)
     merge(config)  # a failure propagates: the steps after it wait for a rerun, which resumes this one

@@ -15,15 +15,18 @@ from mergeflow.config import (
     DEFAULT_DTYPE,
     DEFAULT_MAX_SHARD_SIZE,
     DEFAULT_OUTPUT_FORMAT,
+    DEFAULT_QUANTIZE,
     DEFAULT_TASK_RUNNER,
     DEFAULT_WORKERS,
     DTYPES,
     MAX_WORKERS,
     OUTPUT_FORMATS,
+    QUANTIZATIONS,
     TASK_RUNNERS,
     Dtype,
     ModelMergerConfig,
     OutputFormat,
+    Quantize,
     TaskRunner,
 )
 from mergeflow.errors import MergeflowError, UsageError
@@ -58,6 +61,7 @@ class ServeSettings:
     # Where events may point: checkpoints below these roots, and these base models besides base_model.
     checkpoint_roots: tuple[str, ...] = ()
     allowed_base_models: tuple[str, ...] = ()
+    quantize: Quantize = DEFAULT_QUANTIZE
 
     def checked(self) -> ServeSettings:
         """Absolute paths, known choices; refuse what every triggered run would fail on."""
@@ -73,6 +77,8 @@ class ServeSettings:
             raise UsageError(f"--output_format must be one of {', '.join(OUTPUT_FORMATS)}")
         if self.dtype not in DTYPES:
             raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}")
+        if self.quantize not in QUANTIZATIONS:
+            raise UsageError(f"--quantize must be one of {', '.join(QUANTIZATIONS)}")
         if self.task_runner not in TASK_RUNNERS:
             raise UsageError(f"--task-runner must be one of {', '.join(TASK_RUNNERS)}")
         if not 1 <= self.workers <= MAX_WORKERS:
@@ -81,10 +87,11 @@ class ServeSettings:
             raise UsageError(f"--max_shard_size must be a positive number of bytes, not {self.max_shard_size!r}")
         format_with_checkpoint(self.hf_upload_path, "run", 0, "--hf_upload_path")
         # Every base an event may merge onto must fit the output format, as merge checks its one base.
-        check_base_fits(ModelMergerConfig(base_model=str(base), output_format=self.output_format), base)
+        check_base_fits(ModelMergerConfig(base_model=str(base), output_format=self.output_format, quantize=self.quantize), base)
         for other in allowed:
             try:
-                check_base_fits(ModelMergerConfig(base_model=other, output_format=self.output_format), Path(other))
+                check_base_fits(ModelMergerConfig(base_model=other, output_format=self.output_format, quantize=self.quantize),
+                                Path(other))
             except MergeflowError as exc:
                 raise type(exc)(f"--allow-base-model {other}: {exc}") from None
         return ServeSettings(**{**asdict(self), "base_model": str(base), "target_root": str(root),
@@ -101,7 +108,7 @@ class ServeSettings:
         """
         merge = self.parameters()
         keep = ("base_model", "target_root", "output_format", "dtype", "max_shard_size", "workers", "task_runner",
-                "dask_address", "checkpoint_roots")
+                "dask_address", "checkpoint_roots", "quantize")
         return {k: merge[k] for k in keep}
 
 

@@ -34,8 +34,15 @@ if TYPE_CHECKING:
     from mergeflow.architectures.registry import BaseLayout
     from mergeflow.config import ModelMergerConfig
     from mergeflow.export.plan.targets import TargetSchema
+    from mergeflow.export.reconstruct.rebuild import PieceSource
     from mergeflow.formats.model_config import ModelConfig
-    from mergeflow.records import MergePlan, ShardRecord
+    from mergeflow.records import (
+        MergePlan,
+        OutputPlan,
+        ShardPlan,
+        ShardRecord,
+        TensorWrite,
+    )
 
 ARTIFACT_TYPE = "single_file"
 MODELSPEC_VERSION = "1.0.0"
@@ -68,11 +75,30 @@ def _checkpoint_date(config: ModelMergerConfig) -> str:
     return datetime.fromtimestamp(stamp, tz=timezone.utc).replace(microsecond=0).isoformat()
 
 
+class SingleFileWriter:
+    """The one-file safetensors writer; an fp8 file's measured quantization records are kept beside it."""
+
+    def pack(self, writes: list[TensorWrite], max_shard_size: int, weights_name: str, plan_fingerprint: str) -> OutputPlan:
+        return SINGLE_SAFETENSORS.pack(writes, max_shard_size, weights_name, plan_fingerprint)
+
+    def write_file(self, shard: ShardPlan, states: PieceSource, tensor_dir: Path, work_dir: Path) -> ShardRecord:
+        from mergeflow.export.write.quantized import write_measured_file
+
+        return write_measured_file(shard, states, tensor_dir, work_dir)
+
+
 class SingleFile(DiffusersTransformer):
     name: ClassVar[str] = "single_file"
     option_value: ClassVar[str] = "single_file"
     artifact_types: ClassVar[tuple[str, ...]] = (ARTIFACT_TYPE,)
-    writer: ClassVar[WeightsWriter] = SINGLE_SAFETENSORS
+    writer: ClassVar[WeightsWriter] = SingleFileWriter()
+    quantizations: ClassVar[tuple[str, ...]] = ("fp8",)
+
+    def check_quantize(self, config: ModelMergerConfig) -> None:
+        super().check_quantize(config)
+        if config.quantize == "fp8" and config.dtype not in ("preserve", "bfloat16"):
+            raise UsageError(f"--quantize fp8 writes every unquantized tensor bf16 (as ComfyUI's fp8 files hold them), "
+                             f"not {config.dtype}: drop --dtype or pass --dtype bfloat16")
 
     def check_base(self, config: ModelMergerConfig, layout: BaseLayout) -> None:
         """Refuse, before any work, an architecture no single-file loader reads (Boogu-Image)."""
@@ -88,8 +114,15 @@ class SingleFile(DiffusersTransformer):
         from mergeflow.architectures.original_layout import (
             LAYOUT_PARAM,
             ORIGINAL_LAYOUT,
+            fp8_keys,
             layout_for,
             original_shapes,
+        )
+        from mergeflow.architectures.quantization import (
+            FP8,
+            METADATA_KEY,
+            QUANTIZE_PARAM,
+            comfy_metadata,
         )
         from mergeflow.formats.manifest import producer_versions
         from mergeflow.records import Conversion
@@ -97,6 +130,10 @@ class SingleFile(DiffusersTransformer):
         inner, schema = self.target_and_schema(config, base, layout, actor_config)
         original = layout_for(schema.class_name)
         params = {LAYOUT_PARAM: original.name, **original.params(schema.fields)}
+        if config.quantize == FP8:
+            if original.fp8 is None:
+                raise UsageError(f"--quantize fp8: the {original.name} layout declares no fp8 quantization rule")
+            params[QUANTIZE_PARAM] = FP8
         shapes = original_shapes(original, schema.tensors, params)
         metadata = {
             "format": "pt",
@@ -110,6 +147,11 @@ class SingleFile(DiffusersTransformer):
         resolution = original.resolution(schema.fields)
         if resolution is not None:
             metadata["modelspec.resolution"] = resolution
+        quantized = fp8_keys(original, shapes, params)
+        if config.quantize == FP8 and not quantized:
+            raise UsageError(f"--quantize fp8: the {original.name} rule finds no linear weight in the transformer blocks")
+        if quantized:
+            metadata[METADATA_KEY] = comfy_metadata(quantized)
         metadata[MERGEFLOW_KEY] = json.dumps({"producer": producer_versions().get("mergeflow", ""),
                                               "original_layout": original.name,
                                               "transformer_class": schema.class_name}, sort_keys=True)
@@ -136,6 +178,9 @@ class SingleFile(DiffusersTransformer):
         if metadata[DATA_HASH_KEY] != record.get(DATA_HASH_RECORD):
             raise ArtifactInvalidError(f"{weights[0]}: its {DATA_HASH_KEY} is not the data hash the manifest records")
         check_key_map(record, manifest["tensors"])
+        from mergeflow.outputs.fp8_checks import check_quantization
+
+        check_quantization(root / weights[0], record, manifest)
         return count
 
     def manifest_layout_record(self, plan: MergePlan, shards: Sequence[ShardRecord] = ()) -> dict[str, Any] | None:
@@ -144,6 +189,11 @@ class SingleFile(DiffusersTransformer):
         if len(hashes) == 1:
             record[DATA_HASH_RECORD] = hashes[0]
         return record
+
+    def manifest_quantization_record(self, plan: MergePlan) -> dict[str, Any] | None:
+        from mergeflow.outputs.fp8_checks import quantization_record
+
+        return quantization_record(plan)
 
     def tensor_sources(self, plan: MergePlan) -> dict[str, list[list[Any]]] | None:
         return dict(key_map_record(plan)["key_map"])

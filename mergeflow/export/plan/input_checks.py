@@ -95,6 +95,9 @@ def check_lora_flags(config: ModelMergerConfig, has_meta: bool) -> None:
     """LoRA flags the flow refuses whatever the rank files hold."""
     _check_lora_flag_values(config)
     if has_meta:
+        from mergeflow.lora.detect import refuse_quantized_adapter
+
+        refuse_quantized_adapter(config)  # before any work: the adapter would be the artifact
         return
     # Without lora_train_meta.json the flow refuses LoRA flags: either the checkpoint has no
     # adapters, or it has some whose r and lora_alpha are unknown.

@@ -1,0 +1,126 @@
+"""Writing an fp8 single file: the safetensors writer, plus the proof of every quantized tensor.
+
+The shard writer builds each float8 weight and its scale one tensor at a time (an `ArchitectureOp`,
+mergeflow/architectures/quantization.py). When the file is read back, `verify_quantized` recomputes
+each from its bit-verified sources, compares the written bytes with them, dequantizes the written
+weight and checks every element against the fp8 bound; the numbers it measures (scale, errors, the
+source's sha256) are kept in `work/quantization-<index>.json` for the manifest, so a resumed export
+that reuses a verified file still has them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mergeflow.architectures.quantization import OP_SCALE, OP_WEIGHT, quantize, scale_of
+from mergeflow.errors import CheckpointError
+from mergeflow.export.reconstruct.rebuild import PieceSource, bits, cast
+from mergeflow.io.jsonfiles import write_json_durable
+from mergeflow.records import ArchitectureOp, ShardPlan, ShardRecord, TensorWrite
+
+_LOCK = threading.Lock()
+# Keyed by the file's piece source (one per file being written: concurrent exports in one process,
+# e.g. a served deployment's, never see each other's tensors) and the tensor's key.
+_STATS: dict[tuple[int, str], dict[str, Any]] = {}  # weight key -> its record, measured while verifying
+_SCALES: dict[tuple[int, str], torch.Tensor] = {}  # scale key -> the scale its weight's verification recomputed
+
+
+def _source(spec: ArchitectureOp, states: PieceSource) -> torch.Tensor:
+    from mergeflow.lora.fusion import read_source
+
+    tensor = read_source(spec.inputs[0], states, verify=True)
+    if tensor is None:
+        raise CheckpointError("a quantized tensor names no source")
+    return cast(tensor, str(spec.params["source_dtype"]), "a tensor to quantize")
+
+
+def verify_quantized(tw: TensorWrite, spec: ArchitectureOp, written: torch.Tensor, states: PieceSource) -> None:
+    """The written weight (or scale) is what its verified source gives, and the weight is within the fp8 bound."""
+    from mergeflow.architectures.quantization import error_stats
+
+    if spec.op == OP_WEIGHT:
+        source = _source(spec, states)
+        scale = scale_of(source)
+        expected = quantize(source, scale)
+        if written.dtype != expected.dtype or not torch.equal(bits(expected), bits(written)):
+            raise CheckpointError(f"{tw.name}: round trip failed, the written float8 weight differs from its quantized source")
+        stats = error_stats(source, written, scale, tw.name)
+        with _LOCK:
+            _STATS[id(states), tw.name] = stats
+            _SCALES[id(states), tw.name.removesuffix(".weight") + ".weight_scale"] = scale
+        return
+    if spec.op != OP_SCALE:
+        raise CheckpointError(f"{tw.name}: {spec.op!r} is no quantization op")
+    with _LOCK:
+        scale = _SCALES.pop((id(states), tw.name), None)  # its weight, verified just before (name order), recomputed it
+    if scale is None:
+        scale = scale_of(_source(spec, states))
+    if written.dtype != torch.float32 or not torch.equal(bits(scale.reshape(written.shape)), bits(written)):
+        raise CheckpointError(f"{tw.name}: round trip failed, the written scale differs from its source's amax / 448")
+
+
+def _quantized(shard: ShardPlan) -> list[TensorWrite]:
+    return [t for t in shard.tensors if isinstance(t.transform, ArchitectureOp) and t.transform.op == OP_WEIGHT]
+
+
+def stats_path(work_dir: Path, index: int) -> Path:
+    return work_dir / f"quantization-{index:05d}.json"
+
+
+def write_measured_file(shard: ShardPlan, states: PieceSource, tensor_dir: Path, work_dir: Path) -> ShardRecord:
+    """Write (or reuse) one safetensors file; with quantized tensors, keep their measured records in work/."""
+    from mergeflow.export.write.shard_writer import open_tensors, write_shard_file
+
+    names = [t.name for t in _quantized(shard)]
+    key = id(states)
+    with _LOCK:
+        for name in names:
+            _STATS.pop((key, name), None)
+    record = write_shard_file(shard, states, tensor_dir, work_dir)
+    if not names:
+        return record
+    with _LOCK:
+        found = {name: _STATS.pop((key, name)) for name in names if (key, name) in _STATS}
+    if len(found) != len(names):
+        # The file was reused from an earlier attempt (a resume): its records were kept then, or
+        # (killed in between) its tensors are proven and measured again here.
+        if load_stats(work_dir, shard) is not None:
+            return record
+        tensors = open_tensors(tensor_dir / shard.file_name, shard.metadata)
+        for tw in _quantized(shard):
+            verify_quantized(tw, tw.transform, tensors[tw.name], states)  # type: ignore[arg-type]
+        with _LOCK:
+            found = {name: _STATS.pop((key, name)) for name in names}
+            for name in names:
+                _SCALES.pop((key, name.removesuffix(".weight") + ".weight_scale"), None)
+    write_json_durable(stats_path(work_dir, shard.index),
+                       {"fingerprint": shard.fingerprint, "tensors": dict(sorted(found.items()))})
+    return record
+
+
+def load_stats(work_dir: Path, shard: ShardPlan) -> dict[str, Any] | None:
+    """The records measured when this shard (this plan's, by fingerprint) was written; None if absent or stale."""
+    tensors = read_stats(stats_path(work_dir, shard.index), shard.fingerprint)
+    if tensors is None or set(tensors) != {t.name for t in _quantized(shard)}:
+        return None
+    return tensors
+
+
+def read_stats(path: Path, fingerprint: str | None = None) -> dict[str, Any] | None:
+    """One kept records file's tensors (None: absent, unreadable, or another plan's)."""
+    import json
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, Mapping) or (fingerprint is not None and data.get("fingerprint") != fingerprint):
+        return None
+    tensors = data.get("tensors")
+    return tensors if isinstance(tensors, dict) else None
+
