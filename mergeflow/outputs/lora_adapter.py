@@ -93,6 +93,12 @@ class AdapterOutput(ArtifactOutput):
         if file_name not in manifest["files"]:
             raise ArtifactInvalidError(f"the adapter manifest does not list {file_name}")
         self.check_extra(root, record)
+        from mergeflow.lora.extract_spec import EXTRACTION_NAME
+
+        if EXTRACTION_NAME in manifest["files"]:  # an extracted adapter: its record must match the factors
+            from mergeflow.lora.extraction_check import check_extraction
+
+            check_extraction(root, manifest, file_name)
         entries, metadata, _ = read_header(root / file_name)
         self.check_metadata(file_name, metadata)
         prefix = self.key_prefix

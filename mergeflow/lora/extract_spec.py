@@ -1,0 +1,38 @@
+"""`--extract-lora RANK` / `--extract-energy F`: the flags' checks and the plan's record (no torch here).
+
+The pre-flight and the config's validation import this before torch loads; the SVD itself is
+mergeflow.lora.extract, the flow's step mergeflow.lora.extraction.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from mergeflow.errors import UsageError
+
+EXTRACTION_NAME = "lora_extraction.json"  # the per-layer record beside the adapter's weights
+
+
+def check_settings(rank: object, energy: object) -> None:
+    """The flag values alone: a rank >= 1 and an energy fraction in (0, 1]."""
+    if rank is None:
+        if energy is not None:
+            raise UsageError("--extract-energy needs --extract-lora RANK (the cap of every layer's rank)")
+        return
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+        raise UsageError(f"--extract-lora must be a rank >= 1, not {rank!r}")
+    if energy is not None and (isinstance(energy, bool) or not isinstance(energy, (int, float))
+                               or not math.isfinite(energy) or not 0.0 < energy <= 1.0):
+        raise UsageError(f"--extract-energy must be a fraction in (0, 1], not {energy!r}")
+
+
+@dataclass(frozen=True)
+class ExtractSpec:
+    """What inspection fixed for an extraction (`MergePlan.extract`): the flags and where the base's weights are."""
+
+    rank: int
+    energy: float | None
+    adapter_format: str
+    base_model_name_or_path: str  # the adapter config's base: a Hub id or the base directory's name
+    base_weight_map: dict[str, str] = field(default_factory=dict)  # tensor -> its file in the base component

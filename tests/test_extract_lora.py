@@ -1,0 +1,232 @@
+"""--extract-lora: a LoRA out of a full checkpoint, through the real flow, loaded by real PEFT and Diffusers."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from builders import leftovers, make_export
+from peft import PeftModel
+from safetensors.torch import load_file
+
+from mergeflow import merge_model, validate_artifact
+from mergeflow.demo.checkpoints import (
+    build_transformer,
+    run_tiny_forward,
+    save_base_transformer,
+    save_fsdp_checkpoint,
+)
+from mergeflow.errors import (
+    ArtifactInvalidError,
+    LoraError,
+    SchemaMismatchError,
+    UsageError,
+)
+from mergeflow.lora.extract import (
+    METHOD_EXACT,
+    METHOD_RANDOMIZED,
+    ExtractSettings,
+    extract_layer,
+)
+from mergeflow.io.jsonfiles import dumps_canonical
+from mergeflow.lora.extract_spec import EXTRACTION_NAME
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::RuntimeWarning")
+
+RANK = 2
+
+
+def low_rank_finetune_(model: torch.nn.Module, rank: int, seed: int = 3) -> dict[str, torch.Tensor]:
+    """W' = W + B @ A (rank `rank`) on every nn.Linear; returns each module's exact dW (float32)."""
+    gen = torch.Generator().manual_seed(seed)
+    deltas = {}
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                out_f, in_f = module.weight.shape
+                b = torch.randn((out_f, rank), generator=gen) * 0.05
+                a = torch.randn((rank, in_f), generator=gen) * 0.05
+                before = module.weight.detach().clone()
+                module.weight.add_((b @ a).to(module.weight.dtype))
+                deltas[name] = module.weight.to(torch.float32) - before.to(torch.float32)
+    return deltas
+
+
+def known_rank_checkpoint(root: Path, class_name: str, rank: int = RANK, world_size: int = 2):
+    base = build_transformer(class_name, seed=0)
+    base_dir = save_base_transformer(base, root / "base")
+    actor = copy.deepcopy(base)
+    deltas = low_rank_finetune_(actor, rank)
+    actor_dir = save_fsdp_checkpoint(actor, root / "ckpt" / "global_step_1" / "actor", world_size)
+    return base, actor, base_dir, actor_dir, deltas
+
+
+def config(actor_dir: Path, base_dir: Path, target: Path, **extra: object):
+    from mergeflow.config import ModelMergerConfig
+
+    values: dict[str, object] = {"operation": "merge", "local_dir": str(actor_dir), "base_model": str(base_dir),
+                                 "target_dir": str(target), "output_format": "transformer"}
+    values.update(extra)
+    return ModelMergerConfig(**values)  # type: ignore[arg-type]
+
+
+# --- the per-layer decomposition ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("exact_max_dim", [4096, 16], ids=["exact", "randomized"])
+def test_a_known_rank_update_is_reconstructed_to_1e5_relative(exact_max_dim: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    delta = torch.randn((96, 4), generator=gen) @ torch.randn((4, 80), generator=gen)
+    settings = ExtractSettings(rank=4, exact_max_dim=exact_max_dim)
+    up, down, record = extract_layer("m", delta, settings, torch.float32)
+    assert record.method == (METHOD_EXACT if exact_max_dim == 4096 else METHOD_RANDOMIZED)
+    assert (up.shape, down.shape) == ((96, 4), (4, 80))
+    assert float(torch.linalg.norm(up @ down - delta) / torch.linalg.norm(delta)) < 1e-5
+    assert abs(record.retained - 1.0) < 1e-5 and record.max_abs_error < 1e-4
+
+
+def test_randomized_extraction_is_deterministic_and_energy_picks_the_smallest_rank() -> None:
+    gen = torch.Generator().manual_seed(1)
+    # singular values 8, 4, 2, 1, 0.5: norm fractions sqrt(cumsum s^2) / ||dW||
+    u, _ = torch.linalg.qr(torch.randn((64, 5), generator=gen))
+    v, _ = torch.linalg.qr(torch.randn((48, 5), generator=gen))
+    s = torch.tensor([8.0, 4.0, 2.0, 1.0, 0.5])
+    delta = (u * s) @ v.T
+    fractions = torch.sqrt(torch.cumsum(s**2, 0) / torch.sum(s**2))
+    settings = ExtractSettings(rank=5, energy=float(fractions[1]) + 1e-4, exact_max_dim=8)
+    first = extract_layer("blocks.0.ff", delta, settings, torch.float32)
+    again = extract_layer("blocks.0.ff", delta.clone(), settings, torch.float32)
+    assert first[2].rank == 3 and first[2].method == METHOD_RANDOMIZED
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+    assert math.isclose(first[2].retained, float(fractions[2]), rel_tol=1e-5)
+    capped = extract_layer("m", delta, ExtractSettings(rank=2, energy=1.0), torch.float32)[2]
+    assert capped.rank == 2 and math.isclose(capped.retained, float(fractions[1]), rel_tol=1e-5)
+
+
+def test_a_rank_above_a_layers_smallest_dimension_is_refused() -> None:
+    with pytest.raises(UsageError, match=r"exceeds m's smallest dimension \(6 x 5\)"):
+        extract_layer("m", torch.ones((6, 5)), ExtractSettings(rank=6), torch.float32)
+
+
+@pytest.mark.parametrize("rank,energy,match", [
+    (0, None, "rank >= 1"), (-3, None, "rank >= 1"), (4, 0.0, r"\(0, 1\]"), (4, 1.5, r"\(0, 1\]"),
+    (4, float("nan"), r"\(0, 1\]"), (None, 0.9, "needs --extract-lora"),
+])
+def test_flag_values_are_refused_in_one_line(rank: int | None, energy: float | None, match: str, tmp_path: Path) -> None:
+    cfg = config(tmp_path / "a", tmp_path / "b", tmp_path / "out", extract_lora=rank, extract_energy=energy)
+    with pytest.raises(UsageError, match=match):
+        cfg.validate()
+
+
+# --- through the flow -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def flux_known_rank(tmp_path_factory: pytest.TempPathFactory):
+    return known_rank_checkpoint(tmp_path_factory.mktemp("flux-rank"), "FluxTransformer2DModel")
+
+
+def test_known_rank_fine_tune_is_recovered_and_peft_reproduces_the_forward(
+    tmp_path: Path, prefect_api: object, flux_known_rank
+) -> None:
+    base, actor, base_dir, actor_dir, deltas = flux_known_rank
+    result = merge_model(config(actor_dir, base_dir, tmp_path / "out", extract_lora=RANK))
+    out = Path(result.output_dir)
+    adapter_dir = out / "lora_adapter"
+    assert sorted(p.name for p in out.iterdir()) == ["lora_adapter"] and not leftovers(tmp_path, ".out")
+    assert sorted(p.name for p in adapter_dir.iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors", EXTRACTION_NAME, "merge_manifest.json"]
+    weights = load_file(adapter_dir / "adapter_model.safetensors")
+    assert len(weights) == 2 * len(deltas)
+    for module, delta in deltas.items():  # (1) every dW to 1e-5 relative, float32
+        a = weights[f"base_model.model.{module}.lora_A.weight"]
+        b = weights[f"base_model.model.{module}.lora_B.weight"]
+        assert a.shape[0] == RANK and a.dtype == torch.float32
+        assert float(torch.linalg.norm(b @ a - delta) / torch.linalg.norm(delta)) < 1e-5, module
+    cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
+    assert cfg["r"] == RANK and cfg["lora_alpha"] == RANK and sorted(cfg["target_modules"]) == sorted(deltas)
+    assert cfg["base_model_name_or_path"] == base_dir.name
+    record = json.loads((adapter_dir / EXTRACTION_NAME).read_text())
+    assert record["summary"]["layers"] == len(deltas) and record["not_extracted"] == []
+    assert all(abs(layer["retained"] - 1) < 1e-5 and layer["rank"] == RANK for layer in record["layers"])
+    assert record["method"]["seed"] == 0 and record["summary"]["size_ratio"] < 1
+    # (2) real PEFT onto the base reproduces the fine-tuned forward (float32; tolerance 1e-4 absolute)
+    loaded = PeftModel.from_pretrained(copy.deepcopy(base), adapter_dir).base_model.model.eval()
+    for want, got in zip(run_tiny_forward(actor.eval()), run_tiny_forward(loaded), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    assert validate_artifact(out)["integrity"] == "passed"
+    # deterministic: a second run gives the same bytes
+    again = Path(merge_model(config(actor_dir, base_dir, tmp_path / "again", extract_lora=RANK)).output_dir)
+    for name in ("adapter_model.safetensors", "adapter_config.json", EXTRACTION_NAME):
+        assert (adapter_dir / name).read_bytes() == (again / "lora_adapter" / name).read_bytes(), name
+
+
+def test_a_full_rank_update_reports_its_retained_energy_and_test_checks_it(tmp_path: Path, prefect_api: object) -> None:
+    ex = make_export(tmp_path, "SD3Transformer2DModel", world_size=2)  # perturb_: full-rank noise on every tensor
+    out = Path(merge_model(ex.config(tmp_path / "out", extract_lora=2, adapter_format="diffusers")).output_dir)
+    adapter_dir = out / "lora_adapter"
+    record = json.loads((adapter_dir / EXTRACTION_NAME).read_text())
+    weights = load_file(adapter_dir / "pytorch_lora_weights.safetensors")
+    base = load_file(next((ex.base_dir).glob("*.safetensors")))
+    trained = {k: v for k, v in ex.actor.state_dict().items()}
+    for layer in record["layers"]:
+        module = layer["module"]
+        delta = trained[f"{module}.weight"].float() - base[f"{module}.weight"].float()
+        kept = weights[f"transformer.{module}.lora_B.weight"] @ weights[f"transformer.{module}.lora_A.weight"]
+        assert math.isclose(layer["retained"], float(torch.linalg.norm(kept) / torch.linalg.norm(delta)), rel_tol=1e-5)
+        # the truth: the best rank-2 approximation keeps exactly the top two singular values
+        s = torch.linalg.svdvals(delta)
+        assert math.isclose(layer["retained"], float(torch.sqrt((s[:2] ** 2).sum()) / torch.linalg.norm(s)), rel_tol=1e-4)
+        if min(layer["shape"]) > 2:  # a full-rank update is not kept whole at rank 2 (a [n, 2] layer is)
+            assert layer["retained"] < 0.99
+        assert math.isclose(layer["max_abs_error"], float((delta - kept).abs().max()), rel_tol=1e-5)
+    assert record["summary"]["energy_weighted_retained"] < 0.9
+    assert [layer["retained"] for layer in record["layers"]] == sorted(layer["retained"] for layer in record["layers"])
+    not_extracted = {item["name"] for item in record["not_extracted"]}
+    assert "norm_out.linear.bias" in not_extracted and "norm_out.linear.weight" not in not_extracted
+    assert validate_artifact(out)["integrity"] == "passed"
+    # `test` recomputes the kept norms from the adapter file: a rescaled factor is caught
+    tampered = dict(record)
+    tampered["layers"] = [dict(record["layers"][0], kept_norm=record["layers"][0]["kept_norm"] * 1.01)] + record["layers"][1:]
+    _rewrite_listed(adapter_dir, EXTRACTION_NAME, (json.dumps(tampered, indent=2, sort_keys=True) + "\n").encode())
+    with pytest.raises(ArtifactInvalidError, match="kept norm"):
+        validate_artifact(adapter_dir)
+
+
+def _rewrite_listed(adapter_dir: Path, name: str, raw: bytes) -> None:
+    """Rewrite a listed file and its manifest entry (so only the figures, not the digest, are wrong)."""
+    import hashlib
+
+    (adapter_dir / name).write_bytes(raw)
+    manifest_path = adapter_dir / "merge_manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"][name] = hashlib.sha256(raw).hexdigest()
+    manifest_path.write_text(dumps_canonical(manifest))
+
+
+def test_refusals_publish_nothing(tmp_path: Path, prefect_api: object, flux_known_rank) -> None:
+    _, _, base_dir, actor_dir, _ = flux_known_rank
+    with pytest.raises(UsageError, match="smallest dimension"):
+        merge_model(config(actor_dir, base_dir, tmp_path / "big", extract_lora=10_000))
+    assert not (tmp_path / "big").exists()
+    other = save_base_transformer(build_transformer("FluxTransformer2DModel", seed=0,
+                                                    config_overrides={"joint_attention_dim": 8}), tmp_path / "other")
+    with pytest.raises(SchemaMismatchError):
+        merge_model(config(actor_dir, other, tmp_path / "shapes", extract_lora=RANK))
+    assert not (tmp_path / "shapes").exists()
+
+
+def test_a_lora_checkpoint_is_refused(tmp_path: Path, prefect_api: object) -> None:
+    from lora_builders import ATTN_TARGETS, build_lora_checkpoint
+    from peft import LoraConfig
+
+    ck = build_lora_checkpoint(tmp_path, "FluxTransformer2DModel",
+                               lambda name: LoraConfig(r=2, lora_alpha=2, target_modules=ATTN_TARGETS), world_size=1,
+                               layout="full_state")
+    with pytest.raises(LoraError, match="LoRA checkpoint already"):
+        merge_model(ck.config(tmp_path / "out", extract_lora=2))
+    assert not (tmp_path / "out").exists()
