@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -107,9 +108,12 @@ def test_randomized_extraction_is_deterministic_and_energy_picks_the_smallest_ra
     assert capped.rank == 2 and math.isclose(capped.retained, float(fractions[1]), rel_tol=1e-5)
 
 
-def test_a_rank_above_a_layers_smallest_dimension_is_refused() -> None:
+def test_a_rank_above_a_layers_smallest_dimension_is_refused_but_caps_an_energy_choice() -> None:
+    delta = torch.randn((6, 5), generator=torch.Generator().manual_seed(2))
     with pytest.raises(UsageError, match=r"exceeds m's smallest dimension \(6 x 5\)"):
-        extract_layer("m", torch.ones((6, 5)), ExtractSettings(rank=6), torch.float32)
+        extract_layer("m", delta, ExtractSettings(rank=6), torch.float32)
+    capped = extract_layer("m", delta, ExtractSettings(rank=6, energy=1.0), torch.float32)[2]
+    assert capped.rank == 5 and abs(capped.retained - 1) < 1e-5
 
 
 @pytest.mark.parametrize("rank,energy,match", [
@@ -230,3 +234,61 @@ def test_a_lora_checkpoint_is_refused(tmp_path: Path, prefect_api: object) -> No
     with pytest.raises(LoraError, match="LoRA checkpoint already"):
         merge_model(ck.config(tmp_path / "out", extract_lora=2))
     assert not (tmp_path / "out").exists()
+
+
+# --- every architecture, both layouts -------------------------------------------------------------------------
+
+CLASSES = ["FluxTransformer2DModel", "SD3Transformer2DModel", "QwenImageTransformer2DModel", "WanTransformer3DModel",
+           "LTX2VideoTransformer3DModel", "MiniMaxH3Transformer3DModel"]
+
+
+@pytest.mark.parametrize("class_name", CLASSES)
+def test_every_architecture_from_verl_rank_files_recovers_a_known_rank_fine_tune(
+    tmp_path: Path, prefect_api: object, class_name: str
+) -> None:
+    base, actor, base_dir, actor_dir, deltas = known_rank_checkpoint(tmp_path, class_name, world_size=2)
+    out = Path(merge_model(config(actor_dir, base_dir, tmp_path / "out", extract_lora=RANK)).output_dir)
+    adapter_dir = out / "lora_adapter"
+    weights = load_file(adapter_dir / "adapter_model.safetensors")
+    assert len(weights) == 2 * len(deltas)
+    for module, delta in deltas.items():
+        a, b = weights[f"base_model.model.{module}.lora_A.weight"], weights[f"base_model.model.{module}.lora_B.weight"]
+        assert float(torch.linalg.norm(b @ a - delta) / torch.linalg.norm(delta)) < 1e-5, module
+    loaded = PeftModel.from_pretrained(copy.deepcopy(base), adapter_dir).base_model.model.eval()
+    for want, got in zip(run_tiny_forward(actor.eval()), run_tiny_forward(loaded), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    assert validate_artifact(adapter_dir)["integrity"] == "passed"
+
+
+DCP_CLASSES = ["FluxTransformer2DModel", "WanTransformer3DModel", "MiniMaxH3Transformer3DModel"]
+
+
+@pytest.mark.parametrize("class_name", DCP_CLASSES)
+def test_a_dcp_with_extract_energy_gives_per_layer_ranks_that_peft_loads(
+    tmp_path: Path, prefect_api: object, class_name: str
+) -> None:
+    from fixtures.dcp_writers import write_dcp_checkpoint
+
+    ck = write_dcp_checkpoint(tmp_path / "dcp", class_name=class_name, world_size=2)
+    target = tmp_path / "out"
+    cfg = config(ck.dcp_dir, ck.base_dir, target, extract_lora=3, extract_energy=0.5)
+    adapter_dir = Path(merge_model(cfg).output_dir) / "lora_adapter"
+    record = json.loads((adapter_dir / EXTRACTION_NAME).read_text())
+    ranks = {layer["module"]: layer["rank"] for layer in record["layers"]}
+    assert set(ranks.values()) <= {1, 2, 3} and len(set(ranks.values())) > 1  # the energy picks per layer
+    assert all(layer["retained"] >= 0.5 or layer["rank"] == 3 for layer in record["layers"])
+    peft_config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    assert peft_config["r"] == max(ranks.values())
+    assert peft_config["rank_pattern"] == {"^" + re.escape(m): r for m, r in ranks.items() if r != peft_config["r"]}
+    # PEFT's load (rank_pattern, alpha_pattern) equals the base with every B @ A added by hand
+    base = getattr(__import__("diffusers"), class_name).from_pretrained(ck.base_dir, local_files_only=True).eval()
+    weights = load_file(adapter_dir / "adapter_model.safetensors")
+    by_hand = copy.deepcopy(base)
+    with torch.no_grad():
+        for module in ranks:
+            a, b = weights[f"base_model.model.{module}.lora_A.weight"], weights[f"base_model.model.{module}.lora_B.weight"]
+            by_hand.get_submodule(module).weight.add_(b @ a)
+    loaded = PeftModel.from_pretrained(base, adapter_dir).base_model.model.eval()
+    for want, got in zip(run_tiny_forward(by_hand), run_tiny_forward(loaded), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert validate_artifact(adapter_dir)["integrity"] == "passed"

@@ -24,7 +24,7 @@ import torch
 from mergeflow.errors import UsageError
 from mergeflow.lora.extract_spec import ExtractSpec
 
-EXACT_MAX_DIM = 1024  # linalg.svd of a [n, 1024] float32 matrix is cheap; above it, randomized
+EXACT_MAX_DIM = 256  # exact where cheap (a [n, 256] float32 SVD); wider layers (FLUX.1: 3072) go randomized
 OVERSAMPLE = 8
 NITER = 2
 SEED = 0
@@ -115,17 +115,20 @@ def extract_layer(module: str, delta: torch.Tensor, settings: ExtractSettings,
     """(up [out, r], down [r, in]) in out_dtype for one float32 dW [out, in], and what they keep."""
     out_features, in_features = delta.shape
     limit = min(out_features, in_features)
-    if settings.rank > limit:
+    # A fixed rank above a layer's size cannot be honoured: refused. With --extract-energy the rank is
+    # chosen per layer and RANK is only its cap, so a smaller layer is capped at its own size.
+    cap = settings.rank if settings.energy is None else min(settings.rank, limit)
+    if cap > limit:
         raise UsageError(f"--extract-lora {settings.rank} exceeds {module}'s smallest dimension "
                          f"({out_features} x {in_features}); pass a rank <= {limit}")
     method = settings.method_for(delta.shape)
     if method == METHOD_EXACT:
         u, s, vh = torch.linalg.svd(delta, full_matrices=False)
     else:
-        q = min(settings.rank + settings.oversample, limit)
+        q = min(cap + settings.oversample, limit)
         u, s, vh = randomized_svd(delta, q, settings.niter, _generator(settings.seed, module))
     total_sq = float(torch.sum(delta.to(torch.float64) ** 2))
-    rank = settings.rank if settings.energy is None else _rank_for_energy(s, total_sq, settings.energy, settings.rank)
+    rank = cap if settings.energy is None else _rank_for_energy(s, total_sq, settings.energy, cap)
     root = torch.sqrt(s[:rank])
     up = (u[:, :rank] * root).to(out_dtype).contiguous()
     down = (root[:, None] * vh[:rank]).to(out_dtype).contiguous()

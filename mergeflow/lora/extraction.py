@@ -15,6 +15,7 @@ they are listed in the record with the norm of their change, and left out of the
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -182,8 +183,9 @@ def _lora_plan(plan: MergePlan, layers: list[LayerExtraction]) -> LoraPlan:
     assert plan.extract is not None
     fmt = plan.extract.adapter_format
     r = max(layer.rank for layer in layers)
-    # Per-layer ranks (--extract-energy) go to PEFT's rank_pattern / alpha_pattern, keyed by the full path.
-    pattern = {layer.module: layer.rank for layer in layers if layer.rank != r}
+    # Per-layer ranks (--extract-energy) go to PEFT's rank_pattern / alpha_pattern. PEFT matches a key as
+    # `(.*\.)?(KEY)$`, so a plain `proj_out` would also give its rank to `blocks.0.proj_out`: anchored, escaped.
+    pattern = {"^" + re.escape(layer.module): layer.rank for layer in layers if layer.rank != r}
     settings = AdapterSettings(r=r, lora_alpha=float(r), rank_pattern=pattern,
                                alpha_pattern={k: float(v) for k, v in pattern.items()})
     keys = {layer.module: AdapterModuleKeys(layer.module, ADAPTER_NAME, f"{EXTRACTED_PREFIX}{layer.module}.lora_A",
