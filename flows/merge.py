@@ -48,7 +48,12 @@ from mergeflow.tasks.copy_components import copy_components
 from mergeflow.tasks.inspect_inputs import inspect_inputs
 from mergeflow.tasks.layouts import combine_rank_layouts, index_dcp
 from mergeflow.tasks.load import hash_rank, load_rank_shards
-from mergeflow.tasks.lora import extract_lora, plan_lora, plan_lora_writes, write_lora_adapter
+from mergeflow.tasks.lora import (
+    extract_lora,
+    plan_lora,
+    plan_lora_writes,
+    write_lora_adapter,
+)
 from mergeflow.tasks.publish import publish, write_metadata
 from mergeflow.tasks.reconstruct import plan_reconstruction
 from mergeflow.tasks.upload import upload_to_hub

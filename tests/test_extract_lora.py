@@ -27,13 +27,13 @@ from mergeflow.errors import (
     SchemaMismatchError,
     UsageError,
 )
+from mergeflow.io.jsonfiles import dumps_canonical
 from mergeflow.lora.extract import (
     METHOD_EXACT,
     METHOD_RANDOMIZED,
     ExtractSettings,
     extract_layer,
 )
-from mergeflow.io.jsonfiles import dumps_canonical
 from mergeflow.lora.extract_spec import EXTRACTION_NAME
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::RuntimeWarning")

@@ -24,10 +24,10 @@ from mergeflow.export.plan.preflight import preflight_merge
 from mergeflow.export.plan.targets import TargetSchema
 from mergeflow.formats.manifest import fingerprint
 from mergeflow.formats.model_config import ModelConfig
+from mergeflow.formats.weight_index import read_weight_map
 from mergeflow.io.fs import FileStamp
 from mergeflow.io.paths import lock_path_for, resolved_path_options, staging_dir_for
 from mergeflow.io.session import sha256_file
-from mergeflow.formats.weight_index import read_weight_map
 from mergeflow.lora.detect import (
     _recorded_name,
     adapter_target,
