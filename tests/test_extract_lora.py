@@ -292,3 +292,43 @@ def test_a_dcp_with_extract_energy_gives_per_layer_ranks_that_peft_loads(
     for want, got in zip(run_tiny_forward(by_hand), run_tiny_forward(loaded), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     assert validate_artifact(adapter_dir)["integrity"] == "passed"
+
+
+def test_comfyui_flux_fuses_qkv_lists_what_its_naming_cannot_carry_and_passes_test(
+    tmp_path: Path, prefect_api: object, flux_known_rank
+) -> None:
+    _, _, base_dir, actor_dir, _ = flux_known_rank
+    out = Path(merge_model(config(actor_dir, base_dir, tmp_path / "out", extract_lora=RANK,
+                                  adapter_format="comfyui")).output_dir)
+    adapter_dir = out / "lora_adapter"
+    assert sorted(p.name for p in adapter_dir.iterdir()) == ["lora_comfyui.safetensors", EXTRACTION_NAME, "merge_manifest.json"]
+    record = json.loads((adapter_dir / EXTRACTION_NAME).read_text())
+    # Flux's naming has no key outside the blocks: those linears are listed with their change, not refused
+    dropped = {item["name"]: item for item in record["not_extracted"]}
+    assert dropped["context_embedder.weight"]["reason"].startswith("a linear weight the adapter format's naming")
+    assert record["summary"]["not_extracted_delta_norm"] > 0
+    weights = load_file(adapter_dir / "lora_comfyui.safetensors")
+    qkv = "lora_unet_double_blocks_0_img_attn_qkv"
+    assert weights[f"{qkv}.lora_down.weight"].shape[0] == 3 * RANK  # to_q, to_k, to_v: one block-structured LoRA
+    assert validate_artifact(adapter_dir)["integrity"] == "passed"  # the fused modules checked through the total
+
+
+def test_comfyui_format_loads_with_load_lora_weights_and_reproduces_the_fine_tune(tmp_path: Path, prefect_api: object) -> None:
+    from test_comfyui_lora import pipeline_with
+
+    base, actor, base_dir, actor_dir, _ = known_rank_checkpoint(tmp_path, "QwenImageTransformer2DModel")
+    out = Path(merge_model(config(actor_dir, base_dir, tmp_path / "out", extract_lora=RANK,
+                                  adapter_format="comfyui")).output_dir)
+    adapter_dir = out / "lora_adapter"
+    record = json.loads((adapter_dir / EXTRACTION_NAME).read_text())
+    expected = copy.deepcopy(base)  # the base with every extracted layer's dW added (exact: the update is rank 2)
+    with torch.no_grad():
+        for layer in record["layers"]:
+            name = layer["module"]
+            expected.get_submodule(name).weight.copy_(actor.get_submodule(name).weight)
+    assert len(record["layers"]) > 10
+    pipe = pipeline_with("QwenImagePipeline", copy.deepcopy(base))
+    pipe.load_lora_weights(str(adapter_dir), weight_name="lora_comfyui.safetensors", adapter_name="x")  # type: ignore[attr-defined]
+    for want, got in zip(run_tiny_forward(expected.eval()), run_tiny_forward(pipe.transformer.eval()), strict=True):  # type: ignore[attr-defined]
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    assert validate_artifact(adapter_dir)["integrity"] == "passed"

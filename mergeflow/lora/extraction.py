@@ -15,6 +15,7 @@ they are listed in the record with the norm of their change, and left out of the
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -45,6 +46,27 @@ from mergeflow.sources.registry import open_pieces
 EXTRACTED_PREFIX = "extracted:"  # the factors' layout keys: never a checkpoint key (they hold no ':')
 ADAPTER_NAME = "default"
 WORK_DIR = "extract"
+NOT_LINEAR = "not a linear weight: no LoRA can carry it"
+NO_PLACE = "a linear weight the adapter format's naming has no place for"
+
+
+def _carried(plan: MergePlan, modules: list[str]) -> set[str]:
+    """The linear modules the chosen adapter format can write. A ComfyUI naming covers the blocks (and what its
+    architecture's loaders map); a full fine-tune also trains embedders it has no key for: those are listed, not refused."""
+    assert plan.extract is not None
+    if plan.extract.adapter_format != "comfyui":
+        return set(modules)
+    from mergeflow.architectures.original_lora import naming_for
+
+    naming = naming_for(plan.output.transformer_class)
+    carried = set()
+    for module in modules:
+        try:
+            naming.plan([module])
+        except LoraError:
+            continue
+        carried.add(module)
+    return carried
 
 
 @dataclass(frozen=True)
@@ -135,6 +157,7 @@ def run_extraction(plan: MergePlan, layouts: dict[str, TensorLayout]) -> Extract
     writes = convert_writes(plan.conversion, plan_tensor_writes(plan, layouts))  # the base's names and shapes
     linear = linear_weights(plan.output.transformer_class, Path(plan.base.component_dir) / "config.json",
                             [w.name for w in writes])
+    carried = _carried(plan, sorted(n.removesuffix(".weight") for n in linear))
     work = Path(plan.output.work_dir) / WORK_DIR
     work.mkdir(parents=True, exist_ok=True)
     states = open_pieces(plan.checkpoint, trust_checkpoint=plan.options.trust_checkpoint)
@@ -155,11 +178,12 @@ def run_extraction(plan: MergePlan, layouts: dict[str, TensorLayout]) -> Extract
         if not trained.is_floating_point():
             raise CheckpointError(f"{tw.name} ({trained.dtype}) differs from the base; an integer tensor cannot be extracted")
         delta = trained.to(torch.float32) - base.to(torch.float32)
-        if tw.name not in linear or delta.dim() != 2:
-            other.append({"name": tw.name, "shape": list(delta.shape), "delta_norm": float(torch.linalg.norm(delta)),
-                          "base_norm": float(torch.linalg.norm(base.to(torch.float32)))})
-            continue
         module = tw.name.removesuffix(".weight")
+        if tw.name not in linear or delta.dim() != 2 or module not in carried:
+            why = NOT_LINEAR if tw.name not in linear or delta.dim() != 2 else NO_PLACE
+            other.append({"name": tw.name, "shape": list(delta.shape), "delta_norm": float(torch.linalg.norm(delta)),
+                          "base_norm": float(torch.linalg.norm(base.to(torch.float32))), "reason": why})
+            continue
         out_dtype = output_dtype(tw.name, tw.layout.dtype, plan.options.dtype, plan.output.keep_fp32)
         up, down, layer = extract_layer(module, delta, settings, torch_dtype(out_dtype))
         del delta, trained, base
@@ -210,9 +234,10 @@ def extraction_record(settings: ExtractSettings, layers: list[LayerExtraction], 
         "method": settings.record(),
         "layers": [layer.to_json() for layer in ordered],
         "not_extracted": sorted(other, key=lambda item: -item["delta_norm"]),
-        "not_extracted_reason": "changed tensors that are not linear weights; not in the adapter",
         "summary": {"layers": len(layers), "adapter_factor_bytes": adapter_bytes, "full_model_bytes": full_bytes,
                     "size_ratio": adapter_bytes / full_bytes if full_bytes else 0.0,
+                    # the norm of every change the adapter leaves out (non-linear tensors, unnamed linears)
+                    "not_extracted_delta_norm": math.sqrt(sum(item["delta_norm"] ** 2 for item in other)),
                     "energy_weighted_retained": mean,
                     "min_retained": ordered[0].retained, "max_abs_error": max(layer.max_abs_error for layer in layers)},
     }
