@@ -193,6 +193,15 @@ def test_a_full_rank_update_reports_its_retained_energy_and_test_checks_it(tmp_p
     not_extracted = {item["name"] for item in record["not_extracted"]}
     assert "norm_out.linear.bias" in not_extracted and "norm_out.linear.weight" not in not_extracted
     assert validate_artifact(out)["integrity"] == "passed"
+    # the UI: a table of every layer, worst retained first, and the overall figures in its description
+    from prefect_runs import latest_flow_run
+    from test_ui import _artifact
+
+    table = _artifact("merge-extraction-ckpt-step1", latest_flow_run("merge-ckpt-step1").id)
+    rows = table.data if isinstance(table.data, list) else json.loads(table.data)
+    assert [r["layer"] for r in rows] == [layer["module"] for layer in record["layers"]]
+    assert float(rows[0]["retained"]) == round(min(layer["retained"] for layer in record["layers"]), 6)
+    assert f"energy-weighted retained {record['summary']['energy_weighted_retained']:.6f}" in table.description
     # `test` recomputes the kept norms from the adapter file: a rescaled factor is caught
     tampered = dict(record)
     tampered["layers"] = [dict(record["layers"][0], kept_norm=record["layers"][0]["kept_norm"] * 1.01)] + record["layers"][1:]

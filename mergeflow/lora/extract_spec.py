@@ -36,3 +36,24 @@ class ExtractSpec:
     adapter_format: str
     base_model_name_or_path: str  # the adapter config's base: a Hub id or the base directory's name
     base_weight_map: dict[str, str] = field(default_factory=dict)  # tensor -> its file in the base component
+
+
+def extraction_rows(record: dict[str, object]) -> list[dict[str, object]]:
+    """The UI table of an extraction: one row per layer, worst retained first (the record's order)."""
+    layers = record.get("layers")
+    rows: list[dict[str, object]] = []
+    for layer in layers if isinstance(layers, list) else []:
+        rows.append({"layer": layer["module"], "shape": "x".join(map(str, layer["shape"])), "rank": layer["rank"],
+                     "retained": f"{layer['retained']:.6f}", "max_abs_error": f"{layer['max_abs_error']:.3e}",
+                     "method": layer["method"]})
+    return rows
+
+
+def extraction_words(record: dict[str, object]) -> str:
+    """One line for the table's description: the overall figures."""
+    summary = record.get("summary")
+    if not isinstance(summary, dict):
+        return "LoRA extraction"
+    return (f"LoRA extraction: {summary['layers']} layers, energy-weighted retained {summary['energy_weighted_retained']:.6f} "
+            f"(worst {summary['min_retained']:.6f}), adapter {summary['adapter_file_bytes']} bytes = "
+            f"{summary['size_ratio']:.4%} of the full model's {summary['full_model_bytes']}; worst layers first")
