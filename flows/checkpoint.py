@@ -70,6 +70,8 @@ def resolve_checkpoint_config(
     hf_upload_path: str | None = None,
     private: bool = False,
     workers: int = DEFAULT_WORKERS,
+    extract_lora: int | None = None,
+    extract_energy: float | None = None,
 ) -> ModelMergerConfig:
     """The merge config for one event payload; payload keys override the served defaults.
 
@@ -105,6 +107,8 @@ def resolve_checkpoint_config(
         hf_upload_path=format_with_checkpoint(hf_upload_path, run_name, step, "--hf_upload_path"),
         private=private,
         workers=workers,
+        extract_lora=extract_lora,
+        extract_energy=extract_energy,
     )
     config.validate()
     return config
@@ -159,6 +163,8 @@ def merge_checkpoint_flow(
     dask_address: str | None = None,
     checkpoint_roots: list[str] | None = None,
     allowed_base_models: list[str] | None = None,
+    extract_lora: int | None = None,
+    extract_energy: float | None = None,
 ) -> PublishedMerge:
     """Export the checkpoint an event names (payload keys override these defaults).
 
@@ -180,12 +186,15 @@ def merge_checkpoint_flow(
         dask_address: Scheduler address of a running Dask cluster (default: a temporary local cluster).
         checkpoint_roots: An event's local_dir must lie below one of these (symlinks followed).
         allowed_base_models: Base models an event may name besides base_model.
+        extract_lora: Publish a LoRA of (trained - base) at this rank instead of the model (None: off).
+        extract_energy: With extract_lora: per layer the smallest rank keeping this fraction of ||dW||, capped at it.
     """
     payload = payload_dict(checkpoint)
     confinement = Confinement.of(checkpoint_roots, target_root, [b for b in (base_model, *(allowed_base_models or ())) if b])
     config = resolve_checkpoint_config(
         payload, confinement=confinement, base_model=base_model, target_root=target_root, output_format=output_format, dtype=dtype,
         max_shard_size=max_shard_size, hf_upload_path=hf_upload_path, private=private, workers=workers,
+        extract_lora=extract_lora, extract_energy=extract_energy,
     )
     target = Path(str(config.target_dir))
     if not Path(confinement.target_root).is_dir():

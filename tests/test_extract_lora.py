@@ -341,3 +341,48 @@ def test_comfyui_format_loads_with_load_lora_weights_and_reproduces_the_fine_tun
     for want, got in zip(run_tiny_forward(expected.eval()), run_tiny_forward(pipe.transformer.eval()), strict=True):  # type: ignore[attr-defined]
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
     assert validate_artifact(adapter_dir)["integrity"] == "passed"
+
+
+# --- the entry points ------------------------------------------------------------------------------------------
+
+
+def test_every_entry_point_carries_extract_lora(tmp_path: Path) -> None:
+    from prefect.utilities.callables import parameter_schema
+
+    from mergeflow.deployments.serve import ServeSettings
+    from mergeflow.flows.backfill_flow import backfill_flow
+    from mergeflow.flows.checkpoint import merge_checkpoint_flow, resolve_checkpoint_config
+    from mergeflow.io.confinement import Confinement
+    from mergeflow.ops.backfill import BackfillSettings
+
+    for flow in (merge_checkpoint_flow, backfill_flow):  # the deployments' typed forms
+        props = parameter_schema(flow.fn).model_dump()["properties"]
+        assert {"integer", "null"} == {t["type"] for t in props["extract_lora"]["anyOf"]}
+        assert {"number", "null"} == {t["type"] for t in props["extract_energy"]["anyOf"]}
+        assert props["extract_lora"]["description"] and props["extract_energy"]["description"]
+    for part in ("ckpt/run/global_step_3/actor", "base", "out"):
+        (tmp_path / part).mkdir(parents=True)
+    confinement = Confinement.of([str(tmp_path / "ckpt")], str(tmp_path / "out"), [str(tmp_path / "base")])
+    payload = {"local_dir": str(tmp_path / "ckpt/run/global_step_3/actor")}
+    resolved = resolve_checkpoint_config(payload, confinement=confinement, base_model=str(tmp_path / "base"),
+                                         target_root=str(tmp_path / "out"), extract_lora=16, extract_energy=0.9)
+    assert (resolved.extract_lora, resolved.extract_energy) == (16, 0.9)
+    with pytest.raises(UsageError, match="rank >= 1"):
+        resolve_checkpoint_config(payload, confinement=confinement, base_model=str(tmp_path / "base"),
+                                  target_root=str(tmp_path / "out"), extract_lora=0)
+    settings = ServeSettings(base_model="/b", target_root="/t", checkpoint_roots=("/c",), extract_lora=8, extract_energy=0.5)
+    assert settings.parameters()["extract_lora"] == 8 and settings.backfill_parameters()["extract_energy"] == 0.5
+    assert BackfillSettings(train_dir="/t", base_model="/b", target_root="/o", extract_lora=4).extract_lora == 4
+
+
+def test_the_command_line_flags(tmp_path: Path) -> None:
+    from mergeflow.flows.cli import build_parser
+
+    args = build_parser().parse_args(["merge", "--backend", "fsdp", "--local_dir", "a", "--target_dir", "b", "--base_model", "c",
+                                      "--extract-lora", "32", "--extract-energy", "0.95", "--adapter-format", "comfyui"])
+    assert (args.extract_lora, args.extract_energy, args.adapter_format) == (32, 0.95, "comfyui")
+    from mergeflow.flows.ops_cli import backfill_settings
+
+    parser = build_parser()
+    back = parser.parse_args(["backfill", "t", "--base_model", "b", "--target-root", "r", "--extract-lora", "4"])
+    assert backfill_settings(back).extract_lora == 4
