@@ -351,7 +351,10 @@ def test_every_entry_point_carries_extract_lora(tmp_path: Path) -> None:
 
     from mergeflow.deployments.serve import ServeSettings
     from mergeflow.flows.backfill_flow import backfill_flow
-    from mergeflow.flows.checkpoint import merge_checkpoint_flow, resolve_checkpoint_config
+    from mergeflow.flows.checkpoint import (
+        merge_checkpoint_flow,
+        resolve_checkpoint_config,
+    )
     from mergeflow.io.confinement import Confinement
     from mergeflow.ops.backfill import BackfillSettings
 

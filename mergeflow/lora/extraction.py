@@ -51,22 +51,9 @@ NO_PLACE = "a linear weight the adapter format's naming has no place for"
 
 
 def _carried(plan: MergePlan, modules: list[str]) -> set[str]:
-    """The linear modules the chosen adapter format can write. A ComfyUI naming covers the blocks (and what its
-    architecture's loaders map); a full fine-tune also trains embedders it has no key for: those are listed, not refused."""
+    """The linear modules the chosen adapter format can write (a ComfyUI naming: the blocks); the others are listed."""
     assert plan.extract is not None
-    if plan.extract.adapter_format != "comfyui":
-        return set(modules)
-    from mergeflow.architectures.original_lora import naming_for
-
-    naming = naming_for(plan.output.transformer_class)
-    carried = set()
-    for module in modules:
-        try:
-            naming.plan([module])
-        except LoraError:
-            continue
-        carried.add(module)
-    return carried
+    return adapter_output(plan.extract.adapter_format).carried_modules(plan.output.transformer_class, modules)
 
 
 @dataclass(frozen=True)

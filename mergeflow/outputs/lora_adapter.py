@@ -59,6 +59,10 @@ class AdapterOutput(ArtifactOutput):
         return [TensorWrite(out, src, layouts[src], output_dtype(out, layouts[src].dtype, policy, keep))
                 for out, src in sorted(lora.adapter_keys.items())]
 
+    def carried_modules(self, transformer_class: str, modules: list[str]) -> set[str]:
+        """The modules (of an --extract-lora adapter) this format has keys for; by default every module."""
+        return set(modules)
+
     def shard_metadata(self, plan: MergePlan, lora: LoraPlan) -> dict[str, str]:
         """The header metadata of this export's weights file (by default `header_metadata` of its config)."""
         return self.header_metadata(lora.adapter_config or {})
