@@ -127,7 +127,7 @@ def extract_layer(module: str, delta: torch.Tensor, settings: ExtractSettings,
     else:
         q = min(cap + settings.oversample, limit)
         u, s, vh = randomized_svd(delta, q, settings.niter, _generator(settings.seed, module))
-    total_sq = float(torch.sum(delta.to(torch.float64) ** 2))
+    total_sq = float(torch.linalg.vector_norm(delta)) ** 2  # no float64 copy of dW: memory stays one dW
     rank = cap if settings.energy is None else _rank_for_energy(s, total_sq, settings.energy, cap)
     root = torch.sqrt(s[:rank])
     up = (u[:, :rank] * root).to(out_dtype).contiguous()
