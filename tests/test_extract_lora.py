@@ -389,3 +389,27 @@ def test_the_command_line_flags(tmp_path: Path) -> None:
     parser = build_parser()
     back = parser.parse_args(["backfill", "t", "--base_model", "b", "--target-root", "r", "--extract-lora", "4"])
     assert backfill_settings(back).extract_lora == 4
+
+
+def test_the_command_line_extracts_a_diffusers_lora_that_load_lora_weights_reproduces(
+    tmp_path: Path, prefect_server, flux_known_rank  # type: ignore[no-untyped-def]
+) -> None:
+    import forked_cli
+    from test_comfyui_lora import pipeline_with
+
+    env = {**prefect_server.client_env(), "HF_HUB_OFFLINE": "1"}
+    base, actor, base_dir, actor_dir, _ = flux_known_rank
+    args = ["merge", "--backend", "fsdp", "--local_dir", str(actor_dir), "--target_dir", str(tmp_path / "out"),
+            "--base_model", str(base_dir), "--output_format", "transformer"]
+    refused = forked_cli.mergeflow([*args, "--extract-lora", "0"], env)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1] == (
+        "mergeflow: error: --extract-lora must be a rank >= 1, not 0")
+    done = forked_cli.mergeflow([*args, "--extract-lora", str(RANK), "--adapter-format", "diffusers"], env)
+    assert done.returncode == 0, done.stderr
+    adapter_dir = tmp_path / "out" / "lora_adapter"
+    pipe = pipeline_with("FluxPipeline", copy.deepcopy(base))
+    pipe.load_lora_weights(str(adapter_dir), weight_name="pytorch_lora_weights.safetensors", adapter_name="x")  # type: ignore[attr-defined]
+    for want, got in zip(run_tiny_forward(actor.eval()), run_tiny_forward(pipe.transformer.eval()), strict=True):  # type: ignore[attr-defined]
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    checked = forked_cli.mergeflow(["test", "--backend", "fsdp", "--test_hf_dir", str(tmp_path / "out")], env)
+    assert checked.returncode == 0 and json.loads(checked.stdout.strip().splitlines()[-1])["integrity"] == "passed"
