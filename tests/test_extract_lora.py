@@ -108,6 +108,16 @@ def test_randomized_extraction_is_deterministic_and_energy_picks_the_smallest_ra
     assert capped.rank == 2 and math.isclose(capped.retained, float(fractions[1]), rel_tol=1e-5)
 
 
+def test_bf16_factors_report_what_the_rounded_factors_keep() -> None:
+    gen = torch.Generator().manual_seed(4)
+    delta = torch.randn((40, 3), generator=gen) @ torch.randn((3, 24), generator=gen)
+    up, down, record = extract_layer("m", delta, ExtractSettings(rank=3), torch.bfloat16)
+    assert up.dtype == down.dtype == torch.bfloat16
+    approx = up.float() @ down.float()
+    assert record.kept_norm == float(torch.linalg.norm(approx))
+    assert record.max_abs_error == float((delta - approx).abs().max()) > 0  # the rounding, not hidden
+
+
 def test_a_rank_above_a_layers_smallest_dimension_is_refused_but_caps_an_energy_choice() -> None:
     delta = torch.randn((6, 5), generator=torch.Generator().manual_seed(2))
     with pytest.raises(UsageError, match=r"exceeds m's smallest dimension \(6 x 5\)"):
