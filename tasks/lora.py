@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from mergeflow.lora.adapter_plan import lora_tensor_writes, plan_lora_export
@@ -37,4 +37,13 @@ def write_lora_adapter(plan: MergePlan, lora: LoraPlan, layouts: dict[str, Tenso
 @task(name="extract-lora", task_run_name="extract-lora", **RETRY_IO, cache_policy=NO_CACHE)
 def extract_lora(plan: MergePlan, layouts: dict[str, TensorLayout]) -> Extraction:
     """Every changed linear weight's dW = trained - base as truncated-SVD factors, one layer at a time."""
-    return run_extraction(plan, layouts)
+    logger = get_run_logger()
+    step = [0]
+
+    def report(done: int, total: int) -> None:
+        tenth = done * 10 // max(total, 1)
+        if tenth > step[0]:  # one line per tenth of the tensors
+            step[0] = tenth
+            logger.info("Compared %d/%d tensors with the base", done, total)
+
+    return run_extraction(plan, layouts, report)

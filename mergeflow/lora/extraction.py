@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,8 +133,12 @@ def _factor_layout(key: str, tensor: torch.Tensor) -> TensorLayout:
     return TensorLayout(key, str(tensor.dtype).removeprefix("torch."), shape, None, ((0,),), (shape,))
 
 
-def run_extraction(plan: MergePlan, layouts: dict[str, TensorLayout]) -> Extraction:
-    """Every trained tensor against the base, one at a time; the changed linears' factors written to work files."""
+def run_extraction(plan: MergePlan, layouts: dict[str, TensorLayout],
+                   report: Callable[[int, int], None] | None = None) -> Extraction:
+    """Every trained tensor against the base, one at a time; the changed linears' factors written to work files.
+
+    `report(done, total)` follows the tensors compared (the task logs it: an SVD pass over a big model takes minutes).
+    """
     from safetensors.torch import save_file
 
     spec = plan.extract
@@ -153,7 +157,9 @@ def run_extraction(plan: MergePlan, layouts: dict[str, TensorLayout]) -> Extract
     factor_layouts: dict[str, TensorLayout] = {}
     files: dict[str, str] = {}
     full_bytes = 0
-    for tw in writes:
+    for done, tw in enumerate(writes, 1):
+        if report is not None:
+            report(done - 1, len(writes))
         trained = _trained_tensor(tw, states)
         base = _base_tensor(plan, tw.name)
         full_bytes += trained.numel() * torch_dtype(tw.out_dtype).itemsize
