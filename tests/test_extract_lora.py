@@ -423,3 +423,24 @@ def test_the_command_line_extracts_a_diffusers_lora_that_load_lora_weights_repro
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
     checked = forked_cli.mergeflow(["test", "--backend", "fsdp", "--test_hf_dir", str(tmp_path / "out")], env)
     assert checked.returncode == 0 and json.loads(checked.stdout.strip().splitlines()[-1])["integrity"] == "passed"
+
+
+def test_boogu_remote_code_from_its_pipeline_base(tmp_path: Path, prefect_api: object) -> None:
+    from fixtures.boogu import build_boogu_pipeline, load_boogu_transformer
+    from test_pipelines import _boogu_forward
+
+    base_dir = build_boogu_pipeline(tmp_path / "base")
+    base = load_boogu_transformer(base_dir)
+    actor = copy.deepcopy(base)
+    deltas = low_rank_finetune_(actor, RANK)
+    actor_dir = save_fsdp_checkpoint(actor, tmp_path / "ckpt" / "global_step_1" / "actor", 2)
+    out = Path(merge_model(config(actor_dir, base_dir, tmp_path / "out", output_format="pipeline",
+                                  trust_remote_code=True, extract_lora=RANK)).output_dir)
+    adapter_dir = out / "lora_adapter"
+    record = json.loads((adapter_dir / EXTRACTION_NAME).read_text())
+    # remote code is never run: which weights are linear comes from their shapes and names, here all of them
+    assert {layer["module"] for layer in record["layers"]} == set(deltas)
+    loaded = PeftModel.from_pretrained(copy.deepcopy(base), adapter_dir).base_model.model
+    for want, got in zip(_boogu_forward(actor), _boogu_forward(loaded), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    assert validate_artifact(adapter_dir)["integrity"] == "passed"

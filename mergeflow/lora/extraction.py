@@ -86,11 +86,18 @@ class ExtractedPieces:
             raise InputChangedError(f"the extracted factors of {key} vanished from the work directory ({exc})") from None
 
 
+_EMBEDDING_TABLES = frozenset({"embedding", "embeddings", "embed_tokens", "token_embedding", "position_embedding",
+                               "wte", "wpe"})
+
+
 def linear_weights(class_name: str, config_path: Path, names: list[str]) -> set[str]:
     """The `.weight` names among `names` that belong to an nn.Linear of the model (built on the meta device).
 
     A 2-D weight is not always a linear one (nn.Embedding): only PEFT's Linear LoRA keys are written.
-    A class Diffusers lacks falls back to the shape: 2-D weights whose module is not named an embedding.
+    A class Diffusers lacks (remote code, which mergeflow never runs) falls back to the shape: every 2-D
+    weight is taken as linear unless its module bears an embedding table's usual name (`x_embedder`, a
+    patch projection, is a Linear; `embed_tokens` is not). A remote class with another nn.Embedding name
+    would get a LoRA PEFT cannot load into it: such a class needs its own rule here.
     """
     import diffusers
 
@@ -102,7 +109,7 @@ def linear_weights(class_name: str, config_path: Path, names: list[str]) -> set[
         with torch.random.fork_rng(devices=[]), init_empty_weights(include_buffers=False):
             model = cls.from_config(config)
         return {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
-    return {n for n in names if n.endswith(".weight") and "embed" not in n.rsplit(".", 2)[0].split(".")[-1]}
+    return {n for n in names if n.endswith(".weight") and n.removesuffix(".weight").split(".")[-1] not in _EMBEDDING_TABLES}
 
 
 def _base_tensor(plan: MergePlan, name: str) -> torch.Tensor:
