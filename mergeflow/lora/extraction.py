@@ -31,7 +31,7 @@ from mergeflow.errors import (
     LoraError,
     SchemaMismatchError,
 )
-from mergeflow.export.reconstruct.rebuild import bits, output_dtype, plan_tensor_writes
+from mergeflow.export.reconstruct.rebuild import bits, plan_tensor_writes
 from mergeflow.formats.safetensors_format import torch_dtype
 from mergeflow.lora.config import AdapterSettings, peft_adapter_config
 from mergeflow.lora.extract import ExtractSettings, LayerExtraction, extract_layer
@@ -184,8 +184,8 @@ def run_extraction(plan: MergePlan, layouts: dict[str, TensorLayout],
             other.append({"name": tw.name, "shape": list(delta.shape), "delta_norm": float(torch.linalg.norm(delta)),
                           "base_norm": float(torch.linalg.norm(base.to(torch.float32))), "reason": why})
             continue
-        out_dtype = output_dtype(tw.name, tw.layout.dtype, plan.options.dtype, plan.output.keep_fp32)
-        up, down, layer = extract_layer(module, delta, settings, torch_dtype(out_dtype))
+        # The factors take the weight's output dtype (--dtype, fp32-kept modules aside): what a trained LoRA would be.
+        up, down, layer = extract_layer(module, delta, settings, torch_dtype(tw.out_dtype))
         del delta, trained, base
         path = work / f"{len(layers):05d}.safetensors"
         save_file({"lora_A": down, "lora_B": up}, str(path), metadata={"format": "pt"})
