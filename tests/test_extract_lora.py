@@ -236,6 +236,9 @@ def test_refusals_publish_nothing(tmp_path: Path, prefect_api: object, flux_know
     with pytest.raises(UsageError, match="smallest dimension"):
         merge_model(config(actor_dir, base_dir, tmp_path / "big", extract_lora=10_000))
     assert not (tmp_path / "big").exists()
+    with pytest.raises(UsageError, match="renames; pass --output_format transformer"):
+        merge_model(config(actor_dir, base_dir, tmp_path / "single", extract_lora=RANK, output_format="single_file"))
+    assert not (tmp_path / "single").exists()
     other = save_base_transformer(build_transformer("FluxTransformer2DModel", seed=0,
                                                     config_overrides={"joint_attention_dim": 8}), tmp_path / "other")
     with pytest.raises(SchemaMismatchError):

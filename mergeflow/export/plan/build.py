@@ -18,7 +18,7 @@ from mergeflow.architectures.schema import (
     tensor_budget,
 )
 from mergeflow.config import ModelMergerConfig
-from mergeflow.errors import BaseModelError, LoraError, MergeflowError
+from mergeflow.errors import BaseModelError, LoraError, MergeflowError, UsageError
 from mergeflow.export.plan.input_checks import check_output_format, resolve_inputs
 from mergeflow.export.plan.preflight import preflight_merge
 from mergeflow.export.plan.targets import TargetSchema
@@ -155,6 +155,10 @@ def _extract_export(config: ModelMergerConfig, decided: _Decided) -> _Decided:
     schema = decided.schema
     base = Path(decided.base.base_dir)
     weights = read_weight_map(schema.component_dir, schema.base_weights_name, BaseModelError, "the base")
+    renamed = schema.conversion.output_shapes
+    if renamed is not None and not set(renamed) <= set(weights):  # an original single file's keys, say
+        raise UsageError(f"--extract-lora keys the adapter by the base's module names, which --output_format "
+                         f"{config.output_format} renames; pass --output_format transformer (or pipeline)")
     stamps, files = dict(decided.stamps), dict(decided.base.files)
     for file_name in sorted(set(weights.values())):
         path = schema.component_dir / file_name
