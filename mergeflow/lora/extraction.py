@@ -155,6 +155,9 @@ def run_extraction(plan: MergePlan, layouts: dict[str, TensorLayout],
     writes = convert_writes(plan.conversion, plan_tensor_writes(plan, layouts))  # the base's names and shapes
     linear = linear_weights(plan.output.transformer_class, Path(plan.base.component_dir) / "config.json",
                             [w.name for w in writes])
+    if not linear & {w.name for w in writes}:  # e.g. a base in a native layout whose names are not the class's
+        raise SchemaMismatchError(f"no tensor of the checkpoint is a linear weight of {plan.output.transformer_class} "
+                                  "by its Diffusers module name; extract against a base in the Diffusers layout")
     carried = _carried(plan, sorted(n.removesuffix(".weight") for n in linear))
     work = Path(plan.output.work_dir) / WORK_DIR
     work.mkdir(parents=True, exist_ok=True)
