@@ -17,6 +17,9 @@ medians and ratios only; no result is compared with a fixed time.
                                                          # both outputs interleaved; prints single_file / transformer
     python bench/merge_bench.py --dtypes bfloat16 --output-format single_file single_file+quantize=fp8 gguf+quantize=q8_0
                                                          # FORMAT+FLAG=VALUE: an output with more merge flags
+    python bench/merge_bench.py --dtypes preserve --output-format transformer extract-lora:32
+                                                         # --extract-lora 32 against the plain transformer export,
+                                                         # with the retained energy of each run
 """
 
 from __future__ import annotations
@@ -100,6 +103,29 @@ def source_files(actor: Path) -> list[Path]:
     return sorted(actor.glob("model_world_size_*.pt")) or sorted(actor.glob("*.distcp"))
 
 
+EXTRACT = "extract-lora:"  # an --output-format entry: `merge --output_format transformer --extract-lora RANK`
+
+
+def output_args(output_format: str) -> list[str]:
+    """The merge flags of one timed variant: an output format, or an extraction at a rank."""
+    if output_format.startswith(EXTRACT):
+        return ["--output_format", "transformer", "--extract-lora", output_format.removeprefix(EXTRACT)]
+    return output_flags(output_format)
+
+
+def extraction_line(target: Path) -> str | None:
+    """The retained energy an extraction recorded (None for a model export)."""
+    import json
+
+    path = target / "lora_adapter" / "lora_extraction.json"
+    if not path.is_file():
+        return None
+    summary = json.loads(path.read_text())["summary"]
+    return (f"{summary['layers']} layers, energy-weighted retained {summary['energy_weighted_retained']:.6f}, worst "
+            f"{summary['min_retained']:.6f}, adapter {summary['adapter_file_bytes'] / 1e6:.1f} MB "
+            f"({summary['size_ratio']:.4%} of the model)")
+
+
 def bench_dtype(actor: Path, base: Path, work: Path, dtype: str, repeats: int, env: dict[str, str],
                 formats: list[str], floor_per: str = "run") -> dict[str, tuple[list[Run], list[float]]]:
     """Each output format once per round, alternating which goes first, each with its floor right before it
@@ -124,7 +150,10 @@ def bench_dtype(actor: Path, base: Path, work: Path, dtype: str, repeats: int, e
             floor, floor_wb, floor_cache = round_floors or floors()
             cli_s, peak = timed_command(mergeflow_argv("merge", "--backend", "fsdp", "--local_dir", str(actor),
                                                        "--base_model", str(base), "--target_dir", str(target),
-                                                       *output_flags(output_format), "--dtype", dtype), env)
+                                                       *output_args(output_format), "--dtype", dtype), env)
+            kept = extraction_line(target)
+            if kept is not None and i > 0:
+                print(f"  {output_format} round {i}: {kept}", flush=True)
             # The run name the flow gives itself (training run and step of the source).
             from mergeflow.flows.run_names import export_label
 

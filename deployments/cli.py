@@ -48,6 +48,10 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[
                        help="ORG/REPO to upload each export to; may use {run_name} and {step}")
     serve.add_argument("--private", action="store_true", help="create each Hub repo private")
     serve.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help="parallel shard writers per merge")
+    serve.add_argument("--extract-lora", "--extract_lora", dest="extract_lora", type=int, metavar="RANK",
+                       help="publish a LoRA of (trained - base) at this rank instead of the model")
+    serve.add_argument("--extract-energy", "--extract_energy", dest="extract_energy", type=float, metavar="F",
+                       help="with --extract-lora: per layer the smallest rank keeping ||dW_r||/||dW|| >= F, capped at RANK")
     serve.add_argument("--limit", type=int, default=1, help="merges running at the same time")
     add_task_runner_flags(serve)
     serve.add_argument("--debug", action="store_true", help="show tracebacks and Prefect's console logs")
@@ -69,6 +73,7 @@ def cmd_serve(args: argparse.Namespace) -> ServeResult:
         workers=args.workers, task_runner=args.task_runner, dask_address=args.dask_address,
         checkpoint_roots=tuple(args.checkpoint_roots), allowed_base_models=tuple(args.allowed_base_models),
         quantize=args.quantize,
+        extract_lora=args.extract_lora, extract_energy=args.extract_energy,
     ).checked()  # merge's pre-flight on serve's settings: what every triggered run would fail on, before any server
     use_prefect_api("serve")  # before Prefect is imported (the next import): it reads PREFECT_API_URL then
     from mergeflow.deployments.serve import serve_deployments, served_names

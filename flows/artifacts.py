@@ -150,7 +150,24 @@ def publish_manifest_artifacts(plan: MergePlan, manifest: Manifest, output_dir: 
                                       f"(the full digests are in its {MANIFEST_NAME})")
     create_markdown_artifact(markdown=summary_markdown(plan, manifest, output_dir, total),
                              key=artifact_key("merge-summary", label), description="Export summary")
+    if plan.extract is not None:
+        publish_extraction_artifact(Path(output_dir), label)
     return total
+
+
+def publish_extraction_artifact(output_dir: Path, label: str) -> None:
+    """--extract-lora: per layer rank, retained energy and max error, worst layers first, from the published record."""
+    from mergeflow.errors import ArtifactInvalidError
+    from mergeflow.io.jsonfiles import read_json_strict
+    from mergeflow.lora.extract_spec import (
+        EXTRACTION_NAME,
+        extraction_rows,
+        extraction_words,
+    )
+
+    record = read_json_strict(output_dir / ADAPTER_DIR / EXTRACTION_NAME, ArtifactInvalidError, EXTRACTION_NAME)
+    create_table_artifact(table=extraction_rows(record), key=artifact_key("merge-extraction", label),
+                          description=extraction_words(record))
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -76,6 +76,8 @@ def resolve_checkpoint_config(
     private: bool = False,
     workers: int = DEFAULT_WORKERS,
     quantize: Quantize = DEFAULT_QUANTIZE,
+    extract_lora: int | None = None,
+    extract_energy: float | None = None,
 ) -> ModelMergerConfig:
     """The merge config for one event payload; payload keys override the served defaults.
 
@@ -112,6 +114,8 @@ def resolve_checkpoint_config(
         hf_upload_path=format_with_checkpoint(hf_upload_path, run_name, step, "--hf_upload_path"),
         private=private,
         workers=workers,
+        extract_lora=extract_lora,
+        extract_energy=extract_energy,
     )
     config.validate()
     return config
@@ -167,6 +171,8 @@ def merge_checkpoint_flow(
     checkpoint_roots: list[str] | None = None,
     allowed_base_models: list[str] | None = None,
     quantize: Quantize = DEFAULT_QUANTIZE,
+    extract_lora: int | None = None,
+    extract_energy: float | None = None,
 ) -> PublishedMerge:
     """Export the checkpoint an event names (payload keys override these defaults).
 
@@ -189,12 +195,15 @@ def merge_checkpoint_flow(
         checkpoint_roots: An event's local_dir must lie below one of these (symlinks followed).
         allowed_base_models: Base models an event may name besides base_model.
         quantize: Weight encoding: fp8 with output_format single_file (ComfyUI's scaled float8); none keeps dtype.
+        extract_lora: Publish a LoRA of (trained - base) at this rank instead of the model (None: off).
+        extract_energy: With extract_lora: per layer the smallest rank keeping this fraction of ||dW||, capped at it.
     """
     payload = payload_dict(checkpoint)
     confinement = Confinement.of(checkpoint_roots, target_root, [b for b in (base_model, *(allowed_base_models or ())) if b])
     config = resolve_checkpoint_config(
         payload, confinement=confinement, base_model=base_model, target_root=target_root, output_format=output_format, dtype=dtype,
         max_shard_size=max_shard_size, hf_upload_path=hf_upload_path, private=private, workers=workers, quantize=quantize,
+        extract_lora=extract_lora, extract_energy=extract_energy,
     )
     target = Path(str(config.target_dir))
     if not Path(confinement.target_root).is_dir():

@@ -176,6 +176,10 @@ def build_parser(more: Verbs = NO_VERBS) -> argparse.ArgumentParser:
           help="fused QKV layout of MiniMax H3's native package")
     _flag(merge, "--quantize", default=DEFAULT_QUANTIZE, choices=QUANTIZATIONS,
           help="weight encoding: fp8 (single_file: ComfyUI's scaled float8), bf16 or q8_0 (gguf); none keeps --dtype")
+    _flag(merge, "--extract-lora", "--extract_lora", dest="extract_lora", type=int, metavar="RANK",
+          help="publish a LoRA of (trained - base) at this rank (truncated SVD per linear) instead of the model")
+    _flag(merge, "--extract-energy", "--extract_energy", dest="extract_energy", type=float, metavar="F",
+          help="with --extract-lora: per layer the smallest rank keeping ||dW_r||/||dW|| >= F, capped at RANK")
     _flag(merge, "--workers", type=int, default=DEFAULT_WORKERS, help="parallel shard writers")
     _flag(merge, "--allow-unchanged", "--allow_unchanged", dest="allow_unchanged", action="store_true",
           help="publish even when every exported tensor equals the base's bit for bit (refused otherwise)")

@@ -49,7 +49,12 @@ from mergeflow.tasks.copy_components import copy_components
 from mergeflow.tasks.inspect_inputs import inspect_inputs
 from mergeflow.tasks.layouts import combine_rank_layouts, index_dcp
 from mergeflow.tasks.load import hash_rank, load_rank_shards
-from mergeflow.tasks.lora import plan_lora, plan_lora_writes, write_lora_adapter
+from mergeflow.tasks.lora import (
+    extract_lora,
+    plan_lora,
+    plan_lora_writes,
+    write_lora_adapter,
+)
 from mergeflow.tasks.publish import publish, write_metadata
 from mergeflow.tasks.reconstruct import plan_reconstruction
 from mergeflow.tasks.upload import upload_to_hub
@@ -115,6 +120,8 @@ def run_export(plan: MergePlan, allow_unchanged: bool = False) -> tuple[dict[str
     prepare_staging(plan)
     progress = merge_progress()
     layouts = load_layouts(plan, progress)
+    if plan.extract is not None:
+        return run_extraction_export(plan, layouts, progress)
     lora = plan_lora(light(plan), light(layouts)) if plan.lora is not None else None
     hashes: list[PrefectFuture[str]] | None = None
     adapter = None
@@ -160,6 +167,23 @@ def run_export(plan: MergePlan, allow_unchanged: bool = False) -> tuple[dict[str
     progress.begin(PUBLISHING)
     result = publish(light(plan), light(report))
     return result, manifest
+
+
+def run_extraction_export(plan: MergePlan, layouts: dict[str, TensorLayout],
+                          progress: RunProgress) -> tuple[dict[str, str], Manifest]:
+    """--extract-lora: the factors of every changed linear, then lora_adapter/ alone is the artifact."""
+    hashes = submit_rank_hashes(plan)  # hashed while the SVDs run
+    extraction = extract_lora(light(plan), light(layouts))
+    summary = extraction.record["summary"]
+    get_run_logger().info("Extracted %d layers: energy-weighted retained %.6f, worst %.6f, factors %d bytes (%.4f of the model)",
+                          summary["layers"], summary["energy_weighted_retained"], summary["min_retained"],
+                          summary["adapter_factor_bytes"], summary["size_ratio"])
+    adapter = write_lora_adapter(light(plan), light(extraction.lora), light(layouts), rank_digests(plan, hashes),
+                                 light(extraction))
+    progress.begin(VALIDATING)
+    report = validate_staged_task(light(plan), light(adapter.manifest), light(adapter.verified()))
+    progress.begin(PUBLISHING)
+    return publish(light(plan), report), adapter.manifest
 
 
 @flow(name="mergeflow-merge", flow_run_name=merge_run_name, persist_result=True, validate_parameters=True,

@@ -75,6 +75,10 @@ def add_backfill_command(sub: argparse._SubParsersAction) -> None:  # type: igno
                         help="weight encoding: fp8 (single_file: ComfyUI's scaled float8); none keeps --dtype")
     parser.add_argument("--allow-unchanged", "--allow_unchanged", dest="allow_unchanged", action="store_true",
                         help="publish a step even when every tensor equals the base's")
+    parser.add_argument("--extract-lora", "--extract_lora", dest="extract_lora", type=int, metavar="RANK",
+                        help="publish a LoRA of (trained - base) at this rank instead of the model")
+    parser.add_argument("--extract-energy", "--extract_energy", dest="extract_energy", type=float, metavar="F",
+                        help="with --extract-lora: per layer the smallest rank keeping ||dW_r||/||dW|| >= F, capped at RANK")
     parser.add_argument("--stable-seconds", dest="stable_seconds", type=float, default=5.0,
                         help="a checkpoint must stay unchanged this long to count as complete (as for watch)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and Prefect's console logs")
@@ -83,7 +87,8 @@ def add_backfill_command(sub: argparse._SubParsersAction) -> None:  # type: igno
 def backfill_settings(args: argparse.Namespace) -> BackfillSettings:
     return BackfillSettings(train_dir=args.train_dir, base_model=args.base_model, target_root=args.target_root,
                             run_name=args.run_name, output_format=args.output_format, dtype=args.dtype, quantize=args.quantize,
-                            allow_unchanged=args.allow_unchanged, stable_seconds=args.stable_seconds)
+                            allow_unchanged=args.allow_unchanged, stable_seconds=args.stable_seconds,
+                            extract_lora=args.extract_lora, extract_energy=args.extract_energy)
 
 
 @contextmanager

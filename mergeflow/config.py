@@ -89,6 +89,10 @@ class ModelMergerConfig:
     workers: int = DEFAULT_WORKERS
     quantize: Quantize = DEFAULT_QUANTIZE  # the weights' encoding, for the outputs that offer one (--quantize)
     allow_unchanged: bool = False  # publish even when every tensor equals the base's (mergeflow/export/check/unchanged.py)
+    # --extract-lora RANK: publish a LoRA of (trained - base) instead of the model (mergeflow/lora/extraction.py);
+    # --extract-energy F: per layer the smallest rank that keeps the fraction F of ||dW||, capped at RANK.
+    extract_lora: int | None = None
+    extract_energy: float | None = None
 
     def __post_init__(self) -> None:
         if self.hf_model_config_path is None and self.local_dir is not None:
@@ -108,8 +112,10 @@ class ModelMergerConfig:
     def lora_flags(self) -> list[str]:
         """The adapter flags given a non-default value: each needs a LoRA checkpoint (one list, so the
         pre-flight and the flow refuse the same flags on a full checkpoint)."""
+        # An extraction writes an adapter from a full checkpoint: --adapter-format picks its format.
+        formats = self.adapter_format != DEFAULT_ADAPTER_FORMAT and self.extract_lora is None
         given = (("--fuse-lora", self.fuse_lora), ("--adapter-name", self.adapter_name != "default"),
-                 ("--adapter-format", self.adapter_format != DEFAULT_ADAPTER_FORMAT), ("--adapter-config", bool(self.adapter_config)))
+                 ("--adapter-format", formats), ("--adapter-config", bool(self.adapter_config)))
         return [flag for flag, on in given if on]
 
     def validate(self) -> None:
@@ -146,6 +152,9 @@ class ModelMergerConfig:
             raise UsageError(f"--component must be a component name such as 'transformer', not {self.component!r}")
         if not 1 <= self.workers <= MAX_WORKERS:
             raise UsageError(f"--workers must be between 1 and {MAX_WORKERS} (each may be a process on Dask)")
+        from mergeflow.lora.extract_spec import check_settings
+
+        check_settings(self.extract_lora, self.extract_energy)
         if self.hf_upload_path is not None and self.hf_upload_path.count("/") != 1:
             raise UsageError(f"--hf_upload_path must look like ORG/REPO, not {self.hf_upload_path!r}")
 

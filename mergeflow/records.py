@@ -21,6 +21,7 @@ from mergeflow.formats.manifest import (  # noqa: F401 - Manifest: a record the 
 )
 from mergeflow.formats.rank_files import TensorEntry
 from mergeflow.io.fs import FileStamp
+from mergeflow.lora.extract_spec import ExtractSpec
 from mergeflow.lora.plan import LoraSpec
 
 DtypePolicy = Dtype
@@ -157,6 +158,7 @@ class MergePlan:
     fingerprint: str
     lora: LoraSpec | None = None
     conversion: Conversion = field(default_factory=Conversion)
+    extract: ExtractSpec | None = None  # --extract-lora: the artifact is a LoRA of (checkpoint - base)
 
 
 @dataclass(frozen=True)

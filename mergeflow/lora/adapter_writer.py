@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mergeflow.export.publish import build_manifest
 from mergeflow.formats.manifest import (
@@ -31,6 +32,9 @@ from mergeflow.records import (
     VerifiedFile,
 )
 from mergeflow.sources.registry import open_pieces
+
+if TYPE_CHECKING:
+    from mergeflow.lora.extraction import Extraction
 
 
 def adapter_dir(plan: MergePlan) -> Path:
@@ -69,7 +73,8 @@ def _adapter_shard(plan: MergePlan, lora: LoraPlan, layouts: dict[str, TensorLay
 
 def _adapter_manifest(plan: MergePlan, lora: LoraPlan, rank_digests: dict[str, str], shard: ShardRecord,
                       files: list[FileRecord]) -> Manifest:
-    spec = plan.lora
+    # An extraction (--extract-lora) has no LoRA spec: its plan names the base.
+    base_name = plan.lora.base_model_name_or_path if plan.lora else plan.extract.base_model_name_or_path if plan.extract else ""
     # The adapter directory is an artifact of its own: tensors at its root, its own file list.
     output = adapter_output(lora.adapter_format)
     own = replace(plan, output=replace(plan.output, artifact_type=output.artifact_types[0], tensor_directory=".",
@@ -78,7 +83,7 @@ def _adapter_manifest(plan: MergePlan, lora: LoraPlan, rank_digests: dict[str, s
     return replace(manifest, lora_adapter=LoraAdapterRecord(
         adapter_name=lora.adapter_name,
         format=lora.adapter_format,
-        base_model_name_or_path=spec.base_model_name_or_path,
+        base_model_name_or_path=base_name,
         layout=lora.layout,
         r=lora.r,
         lora_alpha=lora.lora_alpha,
@@ -89,19 +94,36 @@ def _adapter_manifest(plan: MergePlan, lora: LoraPlan, rank_digests: dict[str, s
 
 
 def write_adapter(plan: MergePlan, lora: LoraPlan, layouts: dict[str, TensorLayout],
-                  rank_digests: dict[str, str]) -> AdapterExport:
-    """Write `lora_adapter/`: weights (streamed, round-trip verified), adapter_config.json, its manifest."""
+                  rank_digests: dict[str, str], extraction: Extraction | None = None) -> AdapterExport:
+    """Write `lora_adapter/`: weights (streamed, round-trip verified), adapter_config.json, its manifest.
+
+    An extraction's factors are read from its work files (its layouts join the checkpoint's) and its
+    record, lora_extraction.json, is written beside them with the weights file's size.
+    """
     out_dir = adapter_dir(plan)
     out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(plan.output.work_dir) / ADAPTER_DIR
     work.mkdir(parents=True, exist_ok=True)
     states = open_pieces(plan.checkpoint, trust_checkpoint=plan.options.trust_checkpoint)
+    if extraction is not None:
+        from mergeflow.lora.extraction import ExtractedPieces
+
+        states = ExtractedPieces(states, extraction.files)
+        layouts = {**layouts, **extraction.layouts}
     shard = _adapter_shard(plan, lora, layouts)
     record = adapter_output(lora.adapter_format).writer.write_file(shard, states, out_dir, work)
     files: list[FileRecord] = []
     for file_name, raw in adapter_output(lora.adapter_format).extra_files(lora.adapter_config or {}):
         write_bytes_durable(out_dir / file_name, raw)
         files.append(FileRecord(file_name, sha256_file(out_dir / file_name), len(raw), "written"))
+    if extraction is not None:
+        from mergeflow.lora.extract_spec import EXTRACTION_NAME
+        from mergeflow.lora.extraction import record_bytes
+
+        summary = {**extraction.record["summary"], "adapter_file": record.file_name, "adapter_file_bytes": record.size}
+        raw = record_bytes({**extraction.record, "summary": summary})
+        write_bytes_durable(out_dir / EXTRACTION_NAME, raw)
+        files.append(FileRecord(EXTRACTION_NAME, sha256_file(out_dir / EXTRACTION_NAME), len(raw), "written"))
     manifest = _adapter_manifest(plan, lora, rank_digests, record, files)
     data = write_json_durable(out_dir / MANIFEST_NAME, manifest.to_json(), indent=2)
     listed = [(record.file_name, record.sha256, record.size)] + [(f.rel_path, f.sha256, f.size) for f in files]

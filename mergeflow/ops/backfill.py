@@ -56,6 +56,8 @@ class BackfillSettings:
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
     workers: int = DEFAULT_WORKERS
     quantize: Quantize = DEFAULT_QUANTIZE
+    extract_lora: int | None = None  # --extract-lora: each step published as a LoRA of (trained - base)
+    extract_energy: float | None = None
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,8 @@ def _one_step(settings: BackfillSettings, step: int, actor_dir: Path, target: Pa
                                target_dir=str(target), output_format=settings.output_format, dtype=settings.dtype,
                                quantize=settings.quantize,
                                allow_unchanged=settings.allow_unchanged, max_shard_size=settings.max_shard_size,
-                               workers=settings.workers)
+                               workers=settings.workers, extract_lora=settings.extract_lora,
+                               extract_energy=settings.extract_energy)
     merge(config)  # a failure propagates: the steps after it wait for a rerun, which resumes this one
     return StepResult(step, "done", str(target), "resumed" if resumed else "")
 

@@ -62,6 +62,8 @@ class ServeSettings:
     checkpoint_roots: tuple[str, ...] = ()
     allowed_base_models: tuple[str, ...] = ()
     quantize: Quantize = DEFAULT_QUANTIZE
+    extract_lora: int | None = None  # --extract-lora: every triggered export is a LoRA of (trained - base)
+    extract_energy: float | None = None
 
     def checked(self) -> ServeSettings:
         """Absolute paths, known choices; refuse what every triggered run would fail on."""
@@ -86,6 +88,9 @@ class ServeSettings:
         if isinstance(self.max_shard_size, bool) or not isinstance(self.max_shard_size, int) or self.max_shard_size <= 0:
             raise UsageError(f"--max_shard_size must be a positive number of bytes, not {self.max_shard_size!r}")
         format_with_checkpoint(self.hf_upload_path, "run", 0, "--hf_upload_path")
+        from mergeflow.lora.extract_spec import check_settings
+
+        check_settings(self.extract_lora, self.extract_energy)
         # Every base an event may merge onto must fit the output format, as merge checks its one base.
         check_base_fits(ModelMergerConfig(base_model=str(base), output_format=self.output_format, quantize=self.quantize), base)
         for other in allowed:
@@ -108,7 +113,7 @@ class ServeSettings:
         """
         merge = self.parameters()
         keep = ("base_model", "target_root", "output_format", "dtype", "max_shard_size", "workers", "task_runner",
-                "dask_address", "checkpoint_roots", "quantize")
+                "dask_address", "checkpoint_roots", "quantize", "extract_lora", "extract_energy")
         return {k: merge[k] for k in keep}
 
 

@@ -71,6 +71,19 @@ class ComfyuiLora(AdapterOutput):
             writes.extend(_module_writes(plan, naming, module, by_module, layouts))
         return sorted(writes, key=lambda w: w.name)
 
+    def carried_modules(self, transformer_class: str, modules: list[str]) -> set[str]:
+        # A full fine-tune also trains modules the naming has no key for (Flux's embedders): an extraction
+        # lists those rather than refusing the whole adapter.
+        naming = naming_for(transformer_class)
+        carried = set()
+        for module in modules:
+            try:
+                naming.plan([module])
+            except LoraError:
+                continue
+            carried.add(module)
+        return carried
+
     def shard_metadata(self, plan: MergePlan, lora: LoraPlan) -> dict[str, str]:
         return {**self.header_metadata({}), NAMING_METADATA_KEY: naming_for(plan.output.transformer_class).name}
 

@@ -59,6 +59,10 @@ class AdapterOutput(ArtifactOutput):
         return [TensorWrite(out, src, layouts[src], output_dtype(out, layouts[src].dtype, policy, keep))
                 for out, src in sorted(lora.adapter_keys.items())]
 
+    def carried_modules(self, transformer_class: str, modules: list[str]) -> set[str]:
+        """The modules (of an --extract-lora adapter) this format has keys for; by default every module."""
+        return set(modules)
+
     def shard_metadata(self, plan: MergePlan, lora: LoraPlan) -> dict[str, str]:
         """The header metadata of this export's weights file (by default `header_metadata` of its config)."""
         return self.header_metadata(lora.adapter_config or {})
@@ -93,6 +97,12 @@ class AdapterOutput(ArtifactOutput):
         if file_name not in manifest["files"]:
             raise ArtifactInvalidError(f"the adapter manifest does not list {file_name}")
         self.check_extra(root, record)
+        from mergeflow.lora.extract_spec import EXTRACTION_NAME
+
+        if EXTRACTION_NAME in manifest["files"]:  # an extracted adapter: its record must match the factors
+            from mergeflow.lora.extraction_check import check_extraction
+
+            check_extraction(root, manifest, file_name)
         entries, metadata, _ = read_header(root / file_name)
         self.check_metadata(file_name, metadata)
         prefix = self.key_prefix

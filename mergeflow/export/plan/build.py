@@ -8,7 +8,7 @@ names the staging directory) is decided here once for both.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from mergeflow.architectures.registry import base_layout
@@ -18,24 +18,27 @@ from mergeflow.architectures.schema import (
     tensor_budget,
 )
 from mergeflow.config import ModelMergerConfig
-from mergeflow.errors import BaseModelError, MergeflowError
+from mergeflow.errors import BaseModelError, LoraError, MergeflowError, UsageError
 from mergeflow.export.plan.input_checks import check_output_format, resolve_inputs
 from mergeflow.export.plan.preflight import preflight_merge
 from mergeflow.export.plan.targets import TargetSchema
 from mergeflow.formats.manifest import fingerprint
 from mergeflow.formats.model_config import ModelConfig
+from mergeflow.formats.weight_index import read_weight_map
 from mergeflow.io.fs import FileStamp
 from mergeflow.io.paths import lock_path_for, resolved_path_options, staging_dir_for
 from mergeflow.io.session import sha256_file
 from mergeflow.lora.detect import (
+    _recorded_name,
     adapter_target,
     detect_lora,
     finish_lora_spec,
     lora_input_files,
     resolve_adapter_inputs,
 )
-from mergeflow.lora.plan import LoraSpec
-from mergeflow.outputs.registry import model_output
+from mergeflow.lora.extract_spec import ExtractSpec
+from mergeflow.lora.plan import LoraSpec, base_model_reference
+from mergeflow.outputs.registry import adapter_output, model_output
 from mergeflow.records import (
     BaseInputs,
     CheckpointInputs,
@@ -62,6 +65,7 @@ class _Decided:
     base: BaseInputs
     lora: LoraSpec | None
     stamps: dict[str, FileStamp]
+    extract: ExtractSpec | None = None
 
 
 def build_plan(config: ModelMergerConfig) -> MergePlan:
@@ -74,6 +78,9 @@ def build_plan(config: ModelMergerConfig) -> MergePlan:
     actor = Path(config.local_dir or "").expanduser().resolve()
     checkpoint = open_checkpoint(actor, trust_checkpoint=config.trust_checkpoint)
     lora = detect_lora(config, checkpoint)  # None without LoRA; LoRA faults are refused here, before any output
+    if lora is not None and config.extract_lora is not None:
+        raise LoraError("--extract-lora needs a full-weight checkpoint, but this one is a LoRA checkpoint already; "
+                        "drop --extract-lora to export its adapter (--adapter-format picks the format)")
     adapter_only = lora is not None and lora.adapter_only
     # A LoRA-only adapter needs no local base: its base may be a Hub name.
     paths = resolve_adapter_inputs(config) if adapter_only else resolve_inputs(config)
@@ -89,6 +96,8 @@ def build_plan(config: ModelMergerConfig) -> MergePlan:
             decided = _adapter_export(config, lora, paths.get("base"), actor_config)
     else:
         decided = _model_export(config, lora, paths["base"], model_config, held)
+        if config.extract_lora is not None:
+            decided = _extract_export(config, decided)
     inputs = ([actor / name for name in checkpoint.marker_files] + [model_config.path]
               + [actor / n for n in checkpoint.files])
     stamps = {str(p): FileStamp.of(p) for p in inputs}
@@ -114,6 +123,7 @@ def build_plan(config: ModelMergerConfig) -> MergePlan:
         fingerprint=fp,
         lora=decided.lora,
         conversion=schema.conversion,
+        extract=decided.extract,
     )
 
 
@@ -135,6 +145,34 @@ def _model_export(config: ModelMergerConfig, lora: LoraSpec | None, base: Path, 
         lora = lora_inputs.spec
     return _Decided(schema, BaseInputs(base_dir=str(base), kind=layout.kind, component_dir=str(schema.component_dir),  # type: ignore[arg-type]
                                        files=files, copy_files=schema.copy_files), lora, stamps)
+
+
+def _extract_export(config: ModelMergerConfig, decided: _Decided) -> _Decided:
+    """--extract-lora: the model export's base and schema, but the artifact is the adapter alone (nothing copied).
+
+    The base's weight files are stamped and hashed: the adapter is a difference from exactly those bytes.
+    """
+    schema = decided.schema
+    base = Path(decided.base.base_dir)
+    weights = read_weight_map(schema.component_dir, schema.base_weights_name, BaseModelError, "the base")
+    renamed = schema.conversion.output_shapes
+    if renamed is not None and not set(renamed) <= set(weights):  # an original single file's keys, say
+        raise UsageError(f"--extract-lora keys the adapter by the base's module names, which --output_format "
+                         f"{config.output_format} renames; pass --output_format transformer (or pipeline)")
+    stamps, files = dict(decided.stamps), dict(decided.base.files)
+    for file_name in sorted(set(weights.values())):
+        path = schema.component_dir / file_name
+        stamps[str(path)] = FileStamp.of(path)
+        files[path.relative_to(base).as_posix()] = sha256_file(path)
+    reference = base_model_reference(config.base_model or "", base.name,
+                                     _recorded_name(base, base_layout(base, config.component)))
+    spec = ExtractSpec(config.extract_lora or 0, config.extract_energy, config.adapter_format, reference, weights)
+    out = adapter_output(config.adapter_format)
+    adapter_schema = replace(schema, tensor_directory=".", artifact_type=out.artifact_types[0],  # type: ignore[arg-type]
+                             weights_name=out.weights_name, output=out.name, copy_files=(),
+                             base_weights=schema.base_weights_name, header_metadata=None)
+    return _Decided(adapter_schema, replace(decided.base, files=dict(sorted(files.items())), copy_files=()), None,
+                    stamps, spec)
 
 
 def _base_config_if_readable(path: Path) -> ModelConfig | None:
