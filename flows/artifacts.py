@@ -126,18 +126,25 @@ def summary_markdown(plan: MergePlan, manifest: Manifest, output_dir: str, total
 
 
 def quantization_rows(record: Mapping[str, Any] | None) -> list[str]:
-    """A quantized file's rows: how, how many tensors, and the worst dequantization error (from the manifest)."""
+    """A quantized file's rows: how, how many tensors, and the worst dequantization error (from the manifest).
+
+    FP8 and GGUF records share the shape; a GGUF record also lists the tensors it keeps exact (F32, BF16),
+    which carry no error figures.
+    """
     if not record:
         return []
     tensors: Mapping[str, Mapping[str, Any]] = record.get("tensors") or {}
-    how = f"{record.get('method')}: {len(tensors)} tensors quantized, {len(record.get('excluded') or [])} kept bf16"
+    measured = {k: v for k, v in tensors.items() if "max_rel_error" in v and "max_abs_error" in v}
+    kept = len(record.get("excluded") or []) + len(record.get("kept_f32") or [])
+    how = f"{record.get('method')}: {len(measured)} tensors quantized, {kept} kept unquantized"
     rows = [f"| quantized | {how} |"]
-    if tensors:
-        worst = max(tensors, key=lambda k: float(tensors[k]["max_rel_error"]))
-        entry = tensors[worst]
+    if measured:
+        worst = max(measured, key=lambda k: float(measured[k]["max_rel_error"]))
+        entry = measured[worst]
+        bound = ("each weight within half an e4m3 ulp times its scale" if record.get("format") == "float8_e4m3fn"
+                 else "each block within its scale's bound")
         rows.append(f"| worst dequantization error | {float(entry['max_abs_error']):.3g} abs, "
-                    f"{float(entry['max_rel_error']):.3g} of the tensor's amax (`{worst}`); each weight within "
-                    "half an e4m3 ulp times its scale |")
+                    f"{float(entry['max_rel_error']):.3g} relative (`{worst}`); {bound} |")
     return rows
 
 

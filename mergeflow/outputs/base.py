@@ -123,10 +123,6 @@ class ArtifactOutput(ABC):
         """The manifest's `quantization` record, for an output that encodes the weights (default: none)."""
         return None
 
-    def manifest_quantization_record(self, plan: MergePlan) -> dict[str, Any] | None:
-        """The manifest's `quantization` record, for an output that writes quantized weights (default: none)."""
-        return None
-
     # -- what `test` checks --------------------------------------------------------------------
     def claims(self, manifest: ManifestDocument) -> bool:
         """Whether a manifest of one of `artifact_types` is this output's (adapters share one type)."""

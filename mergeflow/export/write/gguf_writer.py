@@ -250,28 +250,11 @@ def read_ints(reader: Any, key: str) -> list[int] | None:
 
 
 def _reusable(path: Path, final: Path, shard: ShardPlan) -> ShardRecord | None:
-    """A file from an earlier attempt counts only if its record matches and its bytes hash the same."""
-    from mergeflow.io.fs import FileStamp
-    from mergeflow.io.session import sha256_file
-    from mergeflow.records import ShardRecord
+    """A file from an earlier attempt counts only if its record (quantization record included) matches
+    and its bytes hash the same."""
+    from mergeflow.export.write.shard_writer import reusable_record
 
-    if not path.is_file() or not final.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text())
-        recorded = (data["file_name"], data["sha256"], data["size"], data["plan_fingerprint"])
-        tensors = {k: (v[0], tuple(v[1])) for k, v in data["tensors"].items()}
-        if not isinstance(data[QUANTIZATION_FIELD], dict):
-            return None
-    except (ValueError, KeyError, TypeError, IndexError):
-        return None
-    if recorded[3] != shard.fingerprint or final.stat().st_size != recorded[2]:
-        return None
-    stamp = FileStamp.of(final)
-    if sha256_file(final) != recorded[1] or FileStamp.of(final) != stamp:
-        return None
-    return ShardRecord(file_name=recorded[0], sha256=recorded[1], size=recorded[2], tensors=tensors,
-                       plan_fingerprint=recorded[3], verified_stamp=stamp)
+    return reusable_record(path, final, shard, needs=QUANTIZATION_FIELD)
 
 
 def recorded_quantization(work_dir: Path, index: int = 0) -> dict[str, Any] | None:

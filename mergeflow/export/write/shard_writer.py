@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from mergeflow.errors import CheckpointError
 from mergeflow.architectures.registry import adapter_for_op
+from mergeflow.errors import CheckpointError
 from mergeflow.export.reconstruct.rebuild import (
     PieceSource,
     global_pieces,
@@ -119,7 +119,7 @@ def write_shard_file(shard: ShardPlan, states: PieceSource, artifact_dir: Path, 
 def _write_shard_file(shard: ShardPlan, states: PieceSource, artifact_dir: Path, work_dir: Path) -> ShardRecord:
     record_path = work_dir / f"shard-{shard.index:05d}.json"
     final = artifact_dir / shard.file_name
-    reused = _reusable(record_path, final, shard)
+    reused = reusable_record(record_path, final, shard)
     if reused is not None:
         return reused
     ordered = file_order(shard.tensors)
@@ -328,8 +328,9 @@ def read_back_while_writing(tw: TensorWrite) -> bool:
     return streamed_parts(tw) is not None
 
 
-def _reusable(record_path: Path, final: Path, shard: ShardPlan) -> ShardRecord | None:
-    """A shard from an earlier attempt counts only if its record matches and its bytes hash the same."""
+def reusable_record(record_path: Path, final: Path, shard: ShardPlan, needs: str | None = None) -> ShardRecord | None:
+    """A shard from an earlier attempt counts only if its record matches and its bytes hash the same
+    (`needs`: a field the record must also hold as an object, a writer's own record of the file)."""
     if not record_path.is_file() or not final.is_file():
         return None
     try:
@@ -337,6 +338,8 @@ def _reusable(record_path: Path, final: Path, shard: ShardPlan) -> ShardRecord |
         recorded = (data["file_name"], data["sha256"], data["size"], data["plan_fingerprint"])
         tensors = {k: (v[0], tuple(v[1])) for k, v in data["tensors"].items()}
         data_sha256 = data.get("data_sha256")
+        if needs is not None and not isinstance(data[needs], dict):
+            return None
     except (ValueError, KeyError, TypeError, IndexError):
         return None
     if recorded[3] != shard.fingerprint or final.stat().st_size != recorded[2]:
