@@ -91,7 +91,7 @@ def write_measured_file(shard: ShardPlan, states: PieceSource, tensor_dir: Path,
         # (killed in between) its tensors are proven and measured again here.
         if load_stats(work_dir, shard) is not None:
             return record
-        tensors = open_tensors(tensor_dir / shard.file_name, shard.metadata)
+        tensors = open_tensors(tensor_dir / shard.file_name, _written_metadata(shard, record))
         for tw in _quantized(shard):
             verify_quantized(tw, tw.transform, tensors[tw.name], states)  # type: ignore[arg-type]
         with _LOCK:
@@ -124,3 +124,11 @@ def read_stats(path: Path, fingerprint: str | None = None) -> dict[str, Any] | N
     tensors = data.get("tensors")
     return tensors if isinstance(tensors, dict) else None
 
+
+def _written_metadata(shard: ShardPlan, record: ShardRecord) -> dict[str, str] | None:
+    """The header metadata as the writer finished it: the plan's, with the data hash it filled in."""
+    from mergeflow.formats.safetensors_format import DATA_HASH_KEY
+
+    if shard.metadata is None or DATA_HASH_KEY not in shard.metadata or record.data_sha256 is None:
+        return shard.metadata
+    return {**shard.metadata, DATA_HASH_KEY: record.data_sha256}
