@@ -18,6 +18,11 @@ from typing import Any
 import pytest
 import torch
 from builders import make_export, output_state
+from test_single_file import (  # the single-file architectures; Flux read through its map
+    CLASSES,
+    FILE,
+    NARROW_UNREADABLE,
+)
 
 from mergeflow import merge_model, validate_artifact
 from mergeflow.architectures.original_layout import layout_for
@@ -32,16 +37,6 @@ from mergeflow.architectures.quantization import (
 from mergeflow.demo.tiny_transformers import run_tiny_forward
 from mergeflow.errors import ArtifactInvalidError, CheckpointError, UsageError
 
-FILE = "transformer.safetensors"
-CLASSES = [
-    "QwenImageTransformer2DModel",
-    "FluxTransformer2DModel",
-    "SD3Transformer2DModel",
-    "WanTransformer3DModel",
-    "LTX2VideoTransformer3DModel",
-    "MiniMaxH3Transformer3DModel",
-]
-NARROW_UNREADABLE = {"FluxTransformer2DModel"}  # see tests/test_single_file.py
 # The stated tolerance: relative L2 error of the dequantized model's forward outputs against the bf16 model's.
 # (e4m3 keeps 3 mantissa bits: each weight within 2**-4 of its value relative to its binade.)
 FORWARD_TOLERANCE = 0.08

@@ -141,6 +141,11 @@ class BaseLayout:
     transformer_dir: Path  # the directory holding the transformer config and weights
     index_file: str | None = None  # model_index.json or modular_model_index.json for pipelines
 
+    @property
+    def transformer_class(self) -> str:
+        """The transformer class the base holds (a pipeline's own, or the standalone one)."""
+        return PIPELINES[self.class_name].transformer_class if self.kind == "pipeline" else self.class_name
+
 
 def read_index(base_dir: Path) -> tuple[str, PipelineIndex] | None:
     """The pipeline index of a base (model_index.json first, then the modular one), or None."""

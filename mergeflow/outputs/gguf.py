@@ -59,9 +59,8 @@ class Gguf(SingleFile):
             architecture_for,
             supported_classes,
         )
-        from mergeflow.architectures.registry import PIPELINES
 
-        cls = PIPELINES[layout.class_name].transformer_class if layout.kind == "pipeline" else layout.class_name
+        cls = layout.transformer_class
         if cls in NO_GGUF:
             raise UsageError(f"--output_format gguf: {NO_GGUF[cls]}; export --output_format single_file instead")
         super().check_base(config, layout)

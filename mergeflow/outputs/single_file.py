@@ -103,10 +103,9 @@ class SingleFile(DiffusersTransformer):
     def check_base(self, config: ModelMergerConfig, layout: BaseLayout) -> None:
         """Refuse, before any work, an architecture no single-file loader reads (Boogu-Image)."""
         from mergeflow.architectures.original_layout import NO_SINGLE_FILE
-        from mergeflow.architectures.registry import PIPELINES
 
         super().check_base(config, layout)
-        cls = PIPELINES[layout.class_name].transformer_class if layout.kind == "pipeline" else layout.class_name
+        cls = layout.transformer_class
         if cls in NO_SINGLE_FILE:
             raise UsageError(f"--output_format single_file: {NO_SINGLE_FILE[cls]}")
 
