@@ -251,3 +251,71 @@ def test_a_cast_tells_a_broken_weight_from_an_overflow(tmp_path: Path, value: fl
     (out / "work").mkdir(parents=True)
     with pytest.raises(CheckpointError if message == "inf or nan" else CastError, match=message):
         write.write_shard_file(shard, RankStates(actor, names), out, out / "work")
+
+
+def _hashed_header_shard(shard: ShardPlan) -> ShardPlan:
+    from mergeflow.formats.safetensors_format import DATA_HASH_KEY, DATA_HASH_PLACEHOLDER
+
+    import dataclasses
+
+    return dataclasses.replace(shard, metadata={"format": "pt", DATA_HASH_KEY: DATA_HASH_PLACEHOLDER})
+
+
+def _data_section(path: Path) -> tuple[bytes, bytes]:
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    return raw[: 8 + length], raw[8 + length :]
+
+
+@pytest.mark.parametrize("dtype", [None, "float16"])
+def test_a_data_hash_header_is_hashed_ahead_and_the_file_behind_the_writer(shard_setup, monkeypatch, dtype) -> None:  # type: ignore[no-untyped-def]
+    """Streamed and cast tensors: the data's hash comes from the sources before the writer ends, and the
+    file's from the trailing hasher; no pass over the finished file (sha256_file is never called)."""
+    shard, states, out = shard_setup
+    shard = _hashed_header_shard(_cast_shard(shard, dtype) if dtype else shard)
+    monkeypatch.setattr(write, "sha256_file", lambda path: pytest.fail("the finished file was hashed again"))
+    record = write.write_shard_file(shard, states, out, out / "work")
+    path = out / record.file_name
+    header, data = _data_section(path)
+    assert record.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert record.data_sha256 == "0x" + hashlib.sha256(data).hexdigest()
+    assert record.data_sha256.encode() in header
+
+
+def test_a_failure_while_hashing_ahead_fails_the_write_and_publishes_nothing(shard_setup, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    shard, states, out = shard_setup
+    shard = _hashed_header_shard(shard)
+
+    def broken(*args: object) -> str:
+        raise CheckpointError("the sources changed under the hash")
+
+    monkeypatch.setattr(write, "data_section_sha256", broken)
+    with pytest.raises(CheckpointError, match="changed under the hash"):
+        write.write_shard_file(shard, states, out, out / "work")
+    assert not (out / shard.file_name).exists()
+
+
+def test_a_data_hash_that_is_not_the_written_bytes_is_caught(shard_setup, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The hash taken ahead is only the data's because the read-back proves the file holds the sources'
+    bytes: a writer that writes other bytes fails, whatever was hashed ahead."""
+    shard, states, out = shard_setup
+    shard = _hashed_header_shard(shard)
+    real = write._as_bytes
+    calls = {"n": 0}
+
+    def corrupt_in_writer(tensor: torch.Tensor) -> memoryview:
+        import threading
+
+        view = real(tensor)
+        if threading.current_thread() is threading.main_thread() and calls["n"] == 0:
+            calls["n"] += 1
+            data = bytearray(view)
+            data[0] ^= 0xFF
+            return memoryview(bytes(data))
+        return view
+
+    monkeypatch.setattr(write, "_as_bytes", corrupt_in_writer)
+    with pytest.raises(CheckpointError, match="round trip failed|differs"):
+        write.write_shard_file(shard, states, out, out / "work")
+    assert calls["n"] == 1
+    assert not (out / shard.file_name).exists()

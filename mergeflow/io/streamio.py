@@ -8,6 +8,7 @@ import hashlib
 import os
 import queue
 import threading
+from collections.abc import Callable
 from typing import Any
 
 BLOCK = 16 * 1024 * 1024
@@ -21,15 +22,20 @@ class HashingWriter:
     few blocks alive, so memory stays flat however large the stream is.
     """
 
-    def __init__(self, fd: int, depth: int = 8, flush: "BackgroundFlush | None" = None, start: int = 0) -> None:
+    def __init__(self, fd: int, depth: int = 8, flush: "BackgroundFlush | None" = None, start: int = 0,
+                 hashing: bool = True, follower: "TrailingHasher | None" = None) -> None:
         self.fd = fd
         self.flush = flush
+        self.follower = follower  # told how far the file is written, like `flush`
         self.start = start  # where the stream begins in the file (bytes written before it are not hashed)
         self.bytes = 0
         self._digest = hashlib.sha256()
         self._queue: queue.Queue[memoryview | None] = queue.Queue(maxsize=depth)
-        self._thread = threading.Thread(target=self._hash, name="sha256-writer", daemon=True)
-        self._thread.start()
+        # hashing=False: a TrailingHasher hashes the file instead (its header is only known later).
+        self._thread: threading.Thread | None = None
+        if hashing:
+            self._thread = threading.Thread(target=self._hash, name="sha256-writer", daemon=True)
+            self._thread.start()
         self._closed = False
 
     def _hash(self) -> None:
@@ -42,30 +48,117 @@ class HashingWriter:
         for start in range(0, len(view), BLOCK):
             block = view[start : start + BLOCK]
             end = self.start + self.bytes + start + len(block)
-            self._queue.put(block)
+            if self._thread is not None:
+                self._queue.put(block)
             while len(block):
                 block = block[os.write(self.fd, block) :]
             if self.flush is not None:
                 self.flush.written(end)
+            if self.follower is not None:
+                self.follower.written(end)
         self.bytes += len(view)
         return len(view)
 
     def hexdigest(self) -> str:
         """Finish hashing (waits for the hasher) and return the sha256 of everything written."""
         self.close()
+        if self._thread is None:
+            raise RuntimeError("this writer was not hashing")
         return self._digest.hexdigest()
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._queue.put(_DONE)
-            self._thread.join()
+            if self._thread is not None:
+                self._queue.put(_DONE)
+                self._thread.join()
 
     def __enter__(self) -> "HashingWriter":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class TrailingHasher:
+    """The sha256 of a file while it is being written, read back from the page cache behind the writer.
+
+    For a file whose header is only final once its data are hashed (a single file's
+    modelspec.hash_sha256): the writer streams the data under a placeholder header while
+    `header()` (which waits for the data's hash, taken ahead of the writer from the sources)
+    gives the final header bytes; this thread hashes those, then the data section as the
+    writer reports it written. The file's hash is then ready when the writer finishes,
+    instead of a second pass over the whole file after it.
+    """
+
+    def __init__(self, path: "os.PathLike[str] | str", data_start: int, header: Callable[[], bytes]) -> None:
+        self.data_start = data_start
+        self._header = header
+        self._digest = hashlib.sha256()
+        self._written = data_start
+        self._final: int | None = None
+        self._stopped = False
+        self._error: BaseException | None = None
+        self.header: bytes | None = None  # the header it hashed, for the caller to compare with the one written
+        self._cond = threading.Condition()
+        self._fd = os.open(path, os.O_RDONLY)
+        self._thread = threading.Thread(target=self._run, name="sha256-trailing", daemon=True)
+        self._thread.start()
+
+    def written(self, total: int) -> None:
+        """The writer has written `total` bytes from the start of the file."""
+        with self._cond:
+            self._written = total
+            self._cond.notify()
+
+    def _next_end(self, pos: int) -> int | None:
+        with self._cond:
+            while not self._stopped and self._written <= pos and (self._final is None or pos < self._final):
+                self._cond.wait()
+            if self._stopped or (self._final is not None and pos >= self._final):
+                return None
+            return self._written
+
+    def _run(self) -> None:
+        try:
+            header = self._header()
+            if len(header) != self.data_start:
+                raise ValueError(f"the final header is {len(header)} bytes, the data start at {self.data_start}")
+            self.header = header
+            self._digest.update(header)
+            pos = self.data_start
+            while (end := self._next_end(pos)) is not None:
+                while pos < end:
+                    block = os.pread(self._fd, min(BLOCK, end - pos), pos)
+                    if not block:
+                        raise OSError(f"the file being hashed ended at {pos} bytes, {end} were written")
+                    self._digest.update(block)
+                    pos += len(block)
+        except BaseException as exc:  # re-raised in the writer's thread by finish()
+            self._error = exc
+
+    def finish(self, size: int) -> str:
+        """Wait until all `size` bytes of the finished file are hashed; return its sha256."""
+        with self._cond:
+            self._written = size
+            self._final = size
+            self._cond.notify()
+        self._close()
+        if self._error is not None:
+            raise self._error
+        return self._digest.hexdigest()
+
+    def abort(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._close()
+
+    def _close(self) -> None:
+        self._thread.join()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 class BackgroundFlush:

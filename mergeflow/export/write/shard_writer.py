@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import threading
 import warnings
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -43,7 +45,7 @@ from mergeflow.io.jsonfiles import write_bytes_durable, write_json_durable
 from mergeflow.io.os_errors import name_written_file, typed_os_error
 from mergeflow.io.session import active_session, current_session, sha256_file
 from mergeflow.io.staging import file_stamp
-from mergeflow.io.streamio import BackgroundFlush, HashingWriter
+from mergeflow.io.streamio import BackgroundFlush, HashingWriter, TrailingHasher
 from mergeflow.lora.fusion import transformed_tensor, verify_transformed
 from mergeflow.records import (
     ArchitectureOp,
@@ -126,21 +128,60 @@ def _write_shard_file(shard: ShardPlan, states: PieceSource, artifact_dir: Path,
     layout = [(t.name, t.out_dtype, t.layout.shape) for t in ordered]
     metadata = shard.metadata or HEADER_METADATA
     # A file whose header names its data's hash (ModelSpec's modelspec.hash_sha256) is written data
-    # first under a placeholder of the same length; the data's hash, taken while writing, then goes
-    # into the header, and the file's own sha256 is taken from the finished file.
+    # first under a placeholder of the same length, the final header going in once the data are hashed:
+    # ahead of the writer from the sources when every tensor is its sources' bytes, else while writing.
     hash_in_header = DATA_HASH_KEY in metadata
     header, entries = build_header(layout, metadata)
-    partial = work_dir / f"{shard.file_name}.partial"
+    partial = partial_path(work_dir, shard)
+    if hash_in_header and all(read_back_while_writing(t) for t in ordered):
+        header, digest, data_digest = _write_hashed_ahead(partial, header, entries, ordered, states, layout,
+                                                          metadata, shard)
+    else:
+        header, digest, data_digest = _write_and_hash(partial, header, entries, ordered, states, layout,
+                                                      metadata, shard, hash_in_header)
+    os.replace(partial, final)
+    record = ShardRecord(
+        file_name=shard.file_name,
+        sha256=digest,
+        size=final.stat().st_size,
+        tensors={t.name: (t.out_dtype, t.layout.shape) for t in ordered},
+        plan_fingerprint=shard.fingerprint,
+        verified_stamp=FileStamp.of(final),
+        data_sha256=data_digest,
+    )
+    # The stamp lets a rerun's cache key tell an intact staged file from a changed one.
+    write_json_durable(record_path, {**asdict(record), "stamp": file_stamp(final)})
+    return record
+
+
+def partial_path(work_dir: Path, shard: ShardPlan) -> Path:
+    return work_dir / f"{shard.file_name}.partial"
+
+
+Layout = list[tuple[str, str, tuple[int, ...]]]
+
+
+def _write_and_hash(partial: Path, header: bytes, entries: dict[str, HeaderEntry], ordered: list[TensorWrite],
+                    states: PieceSource, layout: Layout, metadata: dict[str, str], shard: ShardPlan,
+                    hash_in_header: bool) -> tuple[bytes, str, str | None]:
+    """Write the file, hashing its bytes as they are written; returns (header, file sha256, data sha256).
+
+    A header that names its data's hash (and whose tensors cannot be hashed ahead from the
+    sources: computed ones) is written under a same-length placeholder, filled in once the data
+    are hashed; the file's own sha256 is then taken from the page cache in a second pass.
+    """
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     flush = BackgroundFlush(fd)
     data_digest: str | None = None
     try:
         follow = FollowingReadBack(partial, len(header), entries, states)
         try:
-            digest = _stream_shard(fd, header, entries, ordered, states, follow, flush, not hash_in_header)
+            streamed = _stream_shard(fd, header, entries, ordered, states, follow, flush, not hash_in_header)
         except BaseException:
             follow.abort()
             raise
+        assert streamed is not None  # a hashing writer's digest
+        digest = streamed
         file_hash: Future[str] | None = None
         if hash_in_header:
             data_digest = data_hash_value(digest)
@@ -161,19 +202,83 @@ def _write_shard_file(shard: ShardPlan, states: PieceSource, artifact_dir: Path,
     finally:
         flush.join()
         os.close(fd)
-    os.replace(partial, final)
-    record = ShardRecord(
-        file_name=shard.file_name,
-        sha256=digest,
-        size=final.stat().st_size,
-        tensors={t.name: (t.out_dtype, t.layout.shape) for t in ordered},
-        plan_fingerprint=shard.fingerprint,
-        verified_stamp=FileStamp.of(final),
-        data_sha256=data_digest,
-    )
-    # The stamp lets a rerun's cache key tell an intact staged file from a changed one.
-    write_json_durable(record_path, {**asdict(record), "stamp": file_stamp(final)})
-    return record
+    return header, digest, data_digest
+
+
+def _write_hashed_ahead(partial: Path, header: bytes, entries: dict[str, HeaderEntry], ordered: list[TensorWrite],
+                        states: PieceSource, layout: Layout, metadata: dict[str, str],
+                        shard: ShardPlan) -> tuple[bytes, str, str]:
+    """Write a file whose header names its data's hash, with no pass over the file after writing it.
+
+    Every tensor here is its sources' bytes (streamed, cast, or fused row blocks), so the data
+    section's sha256 is taken from the sources on the other core, ahead of the disk-bound writer,
+    which writes under a same-length placeholder header; a trailing thread hashes the final
+    header, then the data from the page cache just behind the writer. The read-back compares every
+    written tensor with those same sources, which is what makes the hash taken from them the data's.
+    """
+    cancel = threading.Event()
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    flush = BackgroundFlush(fd)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256-data") as pool:
+        data_hash = pool.submit(data_section_sha256, ordered, entries, states, cancel)
+
+        def final_header() -> bytes:
+            value = {**metadata, DATA_HASH_KEY: data_hash_value(data_hash.result())}
+            return build_header(layout, value)[0]
+
+        trailing = TrailingHasher(partial, len(header), final_header)
+        try:
+            follow = FollowingReadBack(partial, len(header), entries, states)
+            try:
+                _stream_shard(fd, header, entries, ordered, states, follow, flush, False, hashing=False,
+                              follower=trailing)
+            except BaseException:
+                follow.abort()
+                raise
+            data_digest = data_hash_value(data_hash.result())
+            metadata = {**metadata, DATA_HASH_KEY: data_digest}
+            header = _rewrite_header(fd, header, layout, metadata)
+            flush.fsync()  # the disk flush overlaps the checks that are left, which only need the page cache
+            follow.finish()
+            verify_written_shard(partial, shard, states, header, metadata)
+            digest = trailing.finish(len(header) + shard.nbytes)
+            if trailing.header != header:
+                raise CheckpointError(f"{shard.file_name}: the header hashed differs from the header written")
+            flush.check()
+        except BaseException:
+            cancel.set()
+            trailing.abort()
+            flush.abandon()
+            raise
+        finally:
+            flush.join()
+            os.close(fd)
+    return header, digest, data_digest
+
+
+def data_section_sha256(ordered: list[TensorWrite], entries: dict[str, HeaderEntry], states: PieceSource,
+                        cancel: threading.Event) -> str:
+    """The sha256 of a file's data section, from the sources the writer streams its tensors from.
+
+    The same pieces in the same order as `_write_tensor` writes them (each tensor's byte count checked
+    against its header entry); the writer's read-back then proves the file holds exactly these bytes.
+    """
+    digest = hashlib.sha256()
+    for tw in ordered:
+        size = 0
+        for part in streamed_parts(tw) or [tw]:
+            if part.transform is not None:
+                raise CheckpointError(f"{tw.name}: a computed tensor cannot be hashed ahead of writing")
+            for piece in global_pieces(part.layout, primary_chunks(part.layout, states), part.out_dtype, part.name):
+                if cancel.is_set():
+                    raise CheckpointError("hashing ahead was stopped: the write failed")
+                view = _as_bytes(piece)
+                digest.update(view)
+                size += len(view)
+        if size != entries[tw.name].end - entries[tw.name].begin:
+            raise CheckpointError(f"{tw.name}: hashed {size} bytes ahead of writing, expected "
+                                  f"{entries[tw.name].end - entries[tw.name].begin}")
+    return digest.hexdigest()
 
 
 def _rewrite_header(fd: int, placeholder: bytes, layout: list[tuple[str, str, tuple[int, ...]]],
@@ -189,7 +294,8 @@ def _rewrite_header(fd: int, placeholder: bytes, layout: list[tuple[str, str, tu
 
 
 def _stream_shard(fd: int, header: bytes, entries: dict[str, HeaderEntry], ordered: list[TensorWrite], states: PieceSource,
-                  follow: FollowingReadBack, flush: BackgroundFlush, hash_header: bool = True) -> str:
+                  follow: FollowingReadBack, flush: BackgroundFlush, hash_header: bool = True, *, hashing: bool = True,
+                  follower: TrailingHasher | None = None) -> str | None:
     """Write the header and every tensor's bytes in file order; returns the sha256 of the stream
     (without the header when `hash_header` is False: the data section's).
 
@@ -200,7 +306,7 @@ def _stream_shard(fd: int, header: bytes, entries: dict[str, HeaderEntry], order
         view = memoryview(header)
         while len(view):
             view = view[os.write(fd, view) :]
-    writer = HashingWriter(fd, flush=flush, start=0 if hash_header else len(header))
+    writer = HashingWriter(fd, flush=flush, start=0 if hash_header else len(header), hashing=hashing, follower=follower)
     try:
         if hash_header:
             writer.write(memoryview(header))
@@ -216,7 +322,7 @@ def _stream_shard(fd: int, header: bytes, entries: dict[str, HeaderEntry], order
                 raise CheckpointError(f"{tw.name}: wrote {written} bytes, expected {entries[tw.name].end - begin}")
             if session is not None:
                 session.writes.report(written, 1)
-        return writer.hexdigest()
+        return writer.hexdigest() if hashing else None
     finally:
         writer.close()
 
