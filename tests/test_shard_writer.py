@@ -254,9 +254,12 @@ def test_a_cast_tells_a_broken_weight_from_an_overflow(tmp_path: Path, value: fl
 
 
 def _hashed_header_shard(shard: ShardPlan) -> ShardPlan:
-    from mergeflow.formats.safetensors_format import DATA_HASH_KEY, DATA_HASH_PLACEHOLDER
-
     import dataclasses
+
+    from mergeflow.formats.safetensors_format import (
+        DATA_HASH_KEY,
+        DATA_HASH_PLACEHOLDER,
+    )
 
     return dataclasses.replace(shard, metadata={"format": "pt", DATA_HASH_KEY: DATA_HASH_PLACEHOLDER})
 

@@ -22,8 +22,8 @@ class HashingWriter:
     few blocks alive, so memory stays flat however large the stream is.
     """
 
-    def __init__(self, fd: int, depth: int = 8, flush: "BackgroundFlush | None" = None, start: int = 0,
-                 hashing: bool = True, follower: "TrailingHasher | None" = None) -> None:
+    def __init__(self, fd: int, depth: int = 8, flush: BackgroundFlush | None = None, start: int = 0,
+                 hashing: bool = True, follower: TrailingHasher | None = None) -> None:
         self.fd = fd
         self.flush = flush
         self.follower = follower  # told how far the file is written, like `flush`
@@ -73,7 +73,7 @@ class HashingWriter:
                 self._queue.put(_DONE)
                 self._thread.join()
 
-    def __enter__(self) -> "HashingWriter":
+    def __enter__(self) -> HashingWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -91,7 +91,7 @@ class TrailingHasher:
     instead of a second pass over the whole file after it.
     """
 
-    def __init__(self, path: "os.PathLike[str] | str", data_start: int, header: Callable[[], bytes]) -> None:
+    def __init__(self, path: os.PathLike[str] | str, data_start: int, header: Callable[[], bytes]) -> None:
         self.data_start = data_start
         self._header = header
         self._digest = hashlib.sha256()
