@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 from builders import Export, clone_export
+from prefect_server import seeded_prefect_home
 
 from mergeflow.ops import local_server
 
@@ -118,8 +119,7 @@ def test_the_command_server_prints_no_link_and_a_users_server_its_own_ui(tmp_pat
 
 def test_a_server_whose_ui_asks_another_port_is_replaced(tmp_path: Path) -> None:
     """A background server started before the UI's API address was set (its UI asked :4200) is not reused."""
-    home = tmp_path / "prefect-home"
-    home.mkdir()
+    home = seeded_prefect_home(tmp_path / "prefect-home")
     port = local_server._free_port()
     env = {**local_server._server_env(home, "http://127.0.0.1:4200/api")}
     old = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port),

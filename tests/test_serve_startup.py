@@ -22,6 +22,7 @@ import forked_cli
 import httpx
 import pytest
 from builders import Export, clone_export
+from prefect_server import seeded_prefect_home
 from test_local_server import newcomer_env
 
 from mergeflow.export.check.artifact_check import check_artifact
@@ -95,7 +96,7 @@ def _wait(predicate: Any, timeout: float, what: str) -> None:
 
 def test_serve_watch_and_backfill_without_an_api_url_share_the_local_server(tmp_path: Path, pristine_flux_w2: Export) -> None:
     ex = clone_export(pristine_flux_w2, tmp_path)  # ckpt/global_step_1/actor: a finished training run "ckpt"
-    home = tmp_path / "prefect-home"
+    home = seeded_prefect_home(tmp_path / "prefect-home")
     env = newcomer_env(home)  # no PREFECT_API_URL, no profile: the local background server is the only choice
     env["PREFECT_RUNNER_POLL_FREQUENCY"] = "1"
     exports = tmp_path / "exports"

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from builders import Export, clone_export
+from prefect_server import seeded_prefect_home
 from test_local_server import LINK, REPO, mergeflow, newcomer_env
 
 from mergeflow.ops import local_server
@@ -95,7 +96,7 @@ def test_printed_links_open_the_run_in_a_browser(tmp_path: Path, pristine_flux_w
     shots = Path(os.environ.get("MERGEFLOW_TEST_SCREENSHOTS") or tmp_path / "screenshots")
     shots.mkdir(parents=True, exist_ok=True)
     ex = clone_export(pristine_flux_w2, tmp_path)
-    home = tmp_path / "prefect-home"
+    home = seeded_prefect_home(tmp_path / "prefect-home")
     env = newcomer_env(home)
     try:
         started = mergeflow(["server", "start"], env)
