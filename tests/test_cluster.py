@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
 import os
 import shutil
 import time
@@ -25,7 +24,7 @@ from uuid import UUID
 import pytest
 import yaml
 from builders import tree_digest
-from cluster import REPO, TESTS, Cluster, Timer, descendants, postgres_bindir
+from cluster import REPO, TESTS, Cluster, Timer, postgres_bindir
 from prefect_server import PrefectServer
 
 pytestmark = pytest.mark.skipif(postgres_bindir() is None,
@@ -35,10 +34,13 @@ CLASS = "FluxTransformer2DModel"
 SHARD = 64 * 1024  # ~5 shards per export of the tiny Flux transformer (272 KB)
 STEPS = (1, 2, 3, 4)
 MERGE = "mergeflow-merge-checkpoint/on-checkpoint"
-SLOW = "slow-"  # exports whose target path holds this write each tensor 0.1 s slower (tests/slow_site)
-DEPLOYMENT_LIMIT = 2
+SLOW = "slow-"  # exports whose target path holds this write each tensor 0.05 s slower (tests/slow_site)
+# One run at a time per worker ("machine"): the fan-out's runs must spread over both. The pool's and the
+# deployment's limits leave room for those two and for a run whose worker died (it holds its slots until
+# it is Crashed): 3 runs at most, at any moment, of all the test starts.
+WORKER_LIMIT = 1
+DEPLOYMENT_LIMIT = 3
 POOL_LIMIT = 3
-WORKER_LIMIT = 2  # per worker: 4 in all, so the deployment's limit is the one that binds
 HEARTBEAT_S = 30  # Prefect's minimum
 ZOMBIE_WITHIN_S = 35  # a killed run is Crashed this long after its last heartbeat (deployments/zombie-runs.yaml)
 
@@ -92,7 +94,7 @@ def site(tmp_path_factory: pytest.TempPathFactory, prefect_server: PrefectServer
         slow_site = str(TESTS / "slow_site")
         cluster.env_extra = {
             "PYTHONPATH": os.pathsep.join(p for p in (slow_site, os.environ.get("PYTHONPATH", "")) if p),
-            "MERGEFLOW_TEST_SLOW_TENSOR_S": "0.1", "MERGEFLOW_TEST_SLOW_WITHIN": SLOW,
+            "MERGEFLOW_TEST_SLOW_TENSOR_S": "0.05", "MERGEFLOW_TEST_SLOW_WITHIN": SLOW,
             "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_S),
             # Shared result storage: every worker and Dask worker persists results to the same place.
             "PREFECT_LOCAL_STORAGE_PATH": str(root / "prefect-results"),
@@ -102,29 +104,24 @@ def site(tmp_path_factory: pytest.TempPathFactory, prefect_server: PrefectServer
             "MERGEFLOW_CACHE_DIR": str(root / "mergeflow-cache"),
         }
         cluster.start_postgres()
-        server = cluster.spawn_server()  # starts while the checkpoints are built
+        server = cluster.spawn_server()  # the server and Dask start while the checkpoints are built
+        cluster.spawn_dask(workers=2)
         base = _training_run(root)
         with prefect_server.activated():
             expected = _expected(base, root / "checkpoints" / "run-a", root / "expected")
         cluster.wait_server(server)
         targets = root / "targets"
         targets.mkdir()
+        _create_pool_and_automation(cluster)
+        workers = [cluster.spawn_worker(name, limit=WORKER_LIMIT) for name in ("machine-a", "machine-b")]
         env = {**cluster.client_env(), "MERGEFLOW_BASE_MODEL": str(base), "MERGEFLOW_TARGET_ROOT": str(targets),
                "MERGEFLOW_CHECKPOINT_ROOT": str(root / "checkpoints")}
-        cluster.prefect("work-pool", "create", "mergeflow", "--type", "process", env=env)
-        cluster.prefect("work-pool", "set-concurrency-limit", "mergeflow", str(POOL_LIMIT), env=env)
-        workers = [cluster.spawn_worker(name, limit=WORKER_LIMIT) for name in ("machine-a", "machine-b")]
-        cluster.spawn_dask(workers=2)
         cluster.prefect("--no-prompt", "deploy", "--all", "--prefect-file", str(REPO / "deployments" / "prefect.yaml"),
                         env=env)
         _limit_deployment(cluster, MERGE, DEPLOYMENT_LIMIT)
-        automation = yaml.safe_load((REPO / "deployments" / "zombie-runs.yaml").read_text())["automations"][0]
-        automation["trigger"]["within"] = ZOMBIE_WITHIN_S
-        cluster.prefect("automation", "create", "--from-json", json.dumps(automation), env=env)
         for worker in workers:
             cluster.wait_worker(worker)
         cluster.wait_dask(2)
-        print(f"cluster up after {timer()} s")
         try:
             yield Site(cluster, base, root / "checkpoints", targets, expected, timer)
         finally:
@@ -139,6 +136,23 @@ def _drain(cluster: Cluster) -> None:
     with cluster.activated():
         APILogWorker.drain_all(timeout=10)
         EventsWorker.drain_all(timeout=10)
+
+
+def _create_pool_and_automation(cluster: Cluster) -> None:
+    """The process pool with its concurrency limit, and deployments/zombie-runs.yaml's automation (a shorter
+    `within`, for the test), as `prefect work-pool create` and `prefect automation create` would make them."""
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.events.schemas.automations import AutomationCore
+
+    automation = yaml.safe_load((REPO / "deployments" / "zombie-runs.yaml").read_text())["automations"][0]
+    automation["trigger"]["within"] = ZOMBIE_WITHIN_S
+
+    async def create() -> None:
+        async with cluster.client() as client:
+            await client.create_work_pool(WorkPoolCreate(name="mergeflow", type="process", concurrency_limit=POOL_LIMIT))
+            await client.create_automation(AutomationCore.model_validate(automation))
+
+    asyncio.run(create())
 
 
 def _limit_deployment(cluster: Cluster, name: str, limit: int) -> None:
@@ -262,48 +276,54 @@ def _clone_steps(site: Site, name: str, steps: tuple[int, ...]) -> Path:
 
 def test_cluster_fan_out_worker_deaths_and_limits(site: Site) -> None:
     cluster, targets = site.cluster, site.targets
+    print(f"cluster up after {site.timer()} s")
+
+    # -- A worker dies: machine-a, with its flow-run process, in the middle of writing a shard. First, so that
+    # Prefect's wait for the missing heartbeats runs while the rest of the test does.
+    train_a = _clone_steps(site, f"{SLOW}a", (3,))
+    target_a = targets / f"{SLOW}a" / "global_step_3"
+    first_a = _in_thread(cluster, lambda: _backfill(site, train_a, task_runner="thread"))
+    writer = _wait("a shard being written by a flow-run process", lambda: _writer_of_shard(targets / f"{SLOW}a"),
+                   90, cluster)
+    victim = cluster.part_of_pid(writer)
+    assert victim in ("machine-a", "machine-b"), victim
+    cluster.kill_with_descendants(victim)  # the worker and its flow-run process, as a machine dies
+    killed_at = time.monotonic()
+    assert not target_a.exists() and _writer_of_shard(targets / f"{SLOW}a") is None
+    restarted = cluster.spawn_worker(victim, limit=WORKER_LIMIT)  # the machine comes back
 
     # -- Fan-out: 4 checkpoints, one flow run each, over both workers; their shards on both Dask workers.
-    print(f"cluster up after {site.timer()} s")
+    cluster.wait_worker(restarted)
     started = time.monotonic()
     summary = _in_thread(cluster, lambda: _backfill(site, site.checkpoints / "run-a")).result(timeout=240)
     fan_out_s = round(time.monotonic() - started, 1)
     assert [(s["step"], s["status"]) for s in summary["steps"]] == [(step, "done") for step in STEPS]
     for step in STEPS:
         assert tree_digest(targets / "run-a" / f"global_step_{step}") == site.expected[step], step
-    runs = _runs(cluster)
-    assert len(runs) == 4 and {r.state.name for r in runs} == {"Completed"}
-    assert sorted(_run_target(r) for r in runs) == sorted(str(targets / "run-a" / f"global_step_{s}") for s in STEPS)
-    assert {r.name for r in runs} == {f"checkpoint-run-a-step{s}" for s in STEPS}
-    # Each step's run is a subflow of the backfill run (the UI lists them under it).
-    assert all(r.parent_task_run_id is not None for r in runs)
+    fanned = [r for r in _runs(cluster) if "/run-a/" in _run_target(r)]
+    assert len(fanned) == 4 and {r.state.name for r in fanned} == {"Completed"}
+    assert sorted(_run_target(r) for r in fanned) == sorted(str(targets / "run-a" / f"global_step_{s}") for s in STEPS)
+    assert {r.name for r in fanned} == {f"checkpoint-run-a-step{s}" for s in STEPS}
+    assert all(r.parent_task_run_id is not None for r in fanned)  # subflows of the backfill run: listed under it
     by_worker = _wait("the workers' submitted-flow-run events",
-                      lambda: (w := _worker_of_runs(cluster)) and all(r.id in w for r in runs) and w, 30, cluster)
-    assert {by_worker[r.id] for r in runs} == {"machine-a", "machine-b"}, by_worker
-    # Concurrency: the deployment's limit (2) binds; the pool's (3) and the workers' (2 each) would allow more.
-    assert _max_overlap(runs) == DEPLOYMENT_LIMIT
+                      lambda: (w := _worker_of_runs(cluster)) and all(r.id in w for r in fanned) and w, 30, cluster)
+    assert {by_worker[r.id] for r in fanned} == {"machine-a", "machine-b"}, by_worker
+    assert _max_overlap(fanned) == 2  # one per worker, both at once
     # The shard tasks ran on both Dask workers (each worker's own log of the tasks it finished).
     ran = cluster.dask_keys_run()
     assert {name for name, keys in ran.items() if any(key.startswith("write_shard-") for key in keys)} == \
         {"dask-worker-0", "dask-worker-1"}, ran
     print(f"fan-out of 4 checkpoints: {fan_out_s} s")
+    for run in sorted(fanned, key=lambda r: r.start_time):  # where the time went, when a slow machine needs a look
+        print(f"  {run.name} on {by_worker[run.id]}: waited {(run.start_time - run.expected_start_time).total_seconds():.1f} s,"
+              f" ran {run.total_run_time.total_seconds():.1f} s")
 
-    # -- A worker dies: machine-a with its flow-run process, mid-shard; then a Dask worker mid-shard.
-    train_a = _clone_steps(site, f"{SLOW}a", (3,))
-    target_a = targets / f"{SLOW}a" / "global_step_3"
-    first_a = _in_thread(cluster, lambda: _backfill(site, train_a, task_runner="thread"))
-    writer = _wait("a shard being written by a flow-run process", lambda: _writer_of_shard(targets / f"{SLOW}a"),
-                   60, cluster)
-    worker = next(name for name in ("machine-a", "machine-b") if writer in descendants(cluster.part(name).pgid))
-    cluster.kill_with_descendants(worker)  # the worker and its flow-run process, as a machine dies
-    assert not target_a.exists() and _writer_of_shard(targets / f"{SLOW}a") is None
-    killed_at = time.monotonic()
-
+    # -- A Dask worker dies in the middle of writing a shard of another export.
     train_b = _clone_steps(site, f"{SLOW}b", (2,))
     target_b = targets / f"{SLOW}b" / "global_step_2"
     first_b = _in_thread(cluster, lambda: _backfill(site, train_b, task_runner="dask"))
     dask_writer = _wait("a shard being written by a Dask worker", lambda: _writer_of_shard(targets / f"{SLOW}b"),
-                        60, cluster)
+                        90, cluster)
     dask_worker = cluster.part_of_pid(dask_writer)
     assert dask_worker.startswith("dask-worker-"), dask_worker
     cluster.kill_with_descendants(dask_worker)
@@ -312,13 +332,13 @@ def test_cluster_fan_out_worker_deaths_and_limits(site: Site) -> None:
     assert [(s["step"], s["status"]) for s in summary_b["steps"]] == [(2, "done")]
     assert tree_digest(target_b) == site.expected[2]
 
-    # The run that died with its worker is Crashed by the heartbeat automation; its backfill ends failed.
+    # -- The run that died with its worker is Crashed by the heartbeat automation; its backfill ends failed.
     with pytest.raises(Exception, match="1 of 1 step runs did not complete .*Crashed"):
         first_a.result(timeout=ZOMBIE_WITHIN_S + 60)
     crash_wait_s = round(time.monotonic() - killed_at, 1)
     assert not target_a.exists() and len(list(target_a.parent.glob(".global_step_3.mergeflow-staging-*"))) == 1
 
-    # Backfill again: the step runs on the surviving worker and resumes the staging.
+    # Backfill again: the step runs on a live worker and resumes the staging, to the same bytes.
     inode_b = target_b.stat().st_ino
     summary_a = _in_thread(cluster, lambda: _backfill(site, train_a, task_runner="thread")).result(timeout=120)
     assert [(s["step"], s["status"], s["detail"]) for s in summary_a["steps"]] == [(3, "done", "resumed")]
@@ -334,6 +354,22 @@ def test_cluster_fan_out_worker_deaths_and_limits(site: Site) -> None:
     assert sorted(per_target[str(target_a)]) == ["Completed", "Crashed"]
     assert per_target[str(target_b)] == ["Completed"]
     assert all(states.count("Completed") == 1 for states in per_target.values()), per_target
-    assert _max_overlap([r for r in runs if r.end_time]) <= DEPLOYMENT_LIMIT
+    # Concurrency: never more runs at once than the deployment's and the pool's limits (the crashed run included).
+    assert all(r.start_time and r.end_time for r in runs)
+    assert 2 <= _max_overlap(runs) <= min(DEPLOYMENT_LIMIT, POOL_LIMIT)
+    limits = _limits(cluster)
+    assert limits == (DEPLOYMENT_LIMIT, POOL_LIMIT)
     assert _no_staging_left(targets) == []
     print(f"worker deaths: crash seen {crash_wait_s} s after the kill; whole test {site.timer()} s since the cluster start")
+
+
+def _limits(cluster: Cluster) -> tuple[int | None, int | None]:
+    """The merge deployment's and the pool's concurrency limits, as the server holds them."""
+    async def read() -> tuple[int | None, int | None]:
+        async with cluster.client() as client:
+            deployment = await client.read_deployment_by_name(MERGE)
+            pool = await client.read_work_pool("mergeflow")
+            limit = deployment.global_concurrency_limit.limit if deployment.global_concurrency_limit else None
+            return limit, pool.concurrency_limit
+
+    return asyncio.run(read())
