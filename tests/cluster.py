@@ -144,6 +144,18 @@ class Cluster:
     def tails(self) -> str:
         return "\n".join(p.tail() for p in self.parts)
 
+    def drain(self) -> None:
+        """Send this process's queued Prefect logs and events while the server still runs (else Prefect's exit
+        hook retries against the stopped server for over a minute)."""
+        from prefect.events.worker import EventsWorker
+        from prefect.logging.handlers import APILogWorker
+
+        if not self.api_url:
+            return
+        with self.activated():
+            APILogWorker.drain_all(timeout=10)
+            EventsWorker.drain_all(timeout=10)
+
     def _spawn(self, name: str, command: list[str], env: dict[str, str], *, user: str | None = None,
                cwd: Path | None = None) -> Part:
         log = self.root / f"{name}.log"

@@ -125,17 +125,8 @@ def site(tmp_path_factory: pytest.TempPathFactory, prefect_server: PrefectServer
         try:
             yield Site(cluster, base, root / "checkpoints", targets, expected, timer)
         finally:
-            _drain(cluster)  # this process's queued logs and events, while their server still runs
+            cluster.drain()
             print(f"cluster tests done after {timer()} s")
-
-
-def _drain(cluster: Cluster) -> None:
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
-
-    with cluster.activated():
-        APILogWorker.drain_all(timeout=10)
-        EventsWorker.drain_all(timeout=10)
 
 
 def _create_pool_and_automation(cluster: Cluster) -> None:
