@@ -53,6 +53,7 @@ class Site:
     targets: Path  # its target root
     expected: dict[int, dict[str, str]]  # step -> tree digest of an in-process merge_model of that step
     timer: Timer
+    results: Path  # PREFECT_LOCAL_STORAGE_PATH of every worker and Dask worker
 
 
 def _training_run(root: Path) -> Path:
@@ -123,7 +124,7 @@ def site(tmp_path_factory: pytest.TempPathFactory, prefect_server: PrefectServer
             cluster.wait_worker(worker)
         cluster.wait_dask(2)
         try:
-            yield Site(cluster, base, root / "checkpoints", targets, expected, timer)
+            yield Site(cluster, base, root / "checkpoints", targets, expected, timer, root / "prefect-results")
         finally:
             cluster.drain()
             print(f"cluster tests done after {timer()} s")
@@ -304,6 +305,10 @@ def test_cluster_fan_out_worker_deaths_and_limits(site: Site) -> None:
     ran = cluster.dask_keys_run()
     assert {name for name, keys in ran.items() if any(key.startswith("write_shard-") for key in keys)} == \
         {"dask-worker-0", "dask-worker-1"}, ran
+    # Their results went to the one shared result storage, not to each machine's own PREFECT_HOME.
+    assert any(p.is_file() for p in site.results.rglob("*"))
+    assert not any(p.is_file() for name in ("machine-a", "machine-b", "dask-worker-0", "dask-worker-1")
+                   for p in (cluster.root / f"{name}-home" / "storage").rglob("*"))
     print(f"fan-out of 4 checkpoints: {fan_out_s} s")
     for run in sorted(fanned, key=lambda r: r.start_time):  # where the time went, when a slow machine needs a look
         print(f"  {run.name} on {by_worker[run.id]}: waited {(run.start_time - run.expected_start_time).total_seconds():.1f} s,"
