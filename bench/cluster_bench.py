@@ -6,9 +6,10 @@
    the last publish (the last step run's end). Both workers share this machine's cores and disk: the
    ratio says how much the fan-out overlaps, not what two machines would do.
 2. Prefect's fixed cost per checkpoint run: --overhead-runs exports of a ~5 MB checkpoint, one at a
-   time on one worker, on the PostgreSQL server and on a SQLite one: per run, the wait from its
-   scheduled time to its start (worker poll + flow-run process start) and its run time (the engine,
-   task runs and state changes around a merge that itself takes milliseconds).
+   time on one worker, on the PostgreSQL server and on a SQLite one: the wall time per run, the first
+   run's wait from its scheduled time to its start (the worker's poll, Prefect's default 10 s, then the
+   flow-run process start) and the median run time (the engine, task runs and state changes around a
+   merge of a few milliseconds).
 
     python bench/cluster_bench.py                    # 4 x 1 GB (the size): run it on a quiet machine
     python bench/cluster_bench.py --size-mb 20       # a smoke run
