@@ -246,10 +246,14 @@ class Cluster:
         from prefect.settings import (
             PREFECT_API_AUTH_STRING,
             PREFECT_API_URL,
+            PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
             temporary_settings,
         )
 
-        with temporary_settings(updates={PREFECT_API_URL: self.api_url}, restore_defaults={PREFECT_API_AUTH_STRING}):
+        # No heartbeats from the flows run here (a test's or a bench's backfill: a client of the cluster, not a
+        # worker's run): their events failed to send from this process, one EventsWorker error each.
+        with temporary_settings(updates={PREFECT_API_URL: self.api_url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None},
+                                restore_defaults={PREFECT_API_AUTH_STRING}):
             yield
 
     def client_env(self, home: Path | None = None) -> dict[str, str]:
