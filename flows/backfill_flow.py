@@ -126,8 +126,8 @@ def _fan_out(settings: BackfillSettings, deployment: str, task_runner: TaskRunne
              logger: Any) -> BackfillSummary:
     """Every unpublished complete step as one run of `deployment`; the summary once all of them have ended."""
     if settings.allow_unchanged:
-        raise UsageError("allow_unchanged cannot fan out: the merge deployment publishes unchanged weights never; "
-                         "backfill without deployment to publish them")
+        raise UsageError("allow_unchanged cannot fan out: the merge deployment has no such parameter; "
+                         "backfill without deployment to publish unchanged steps")
     make_task_runner(task_runner, workers=settings.workers, dask_address=dask_address)  # a wrong pair fails here, once
     run_name = settings.run_name or Path(settings.train_dir).expanduser().absolute().name
     fan = FanOut(deployment, run_name, {
