@@ -8,6 +8,7 @@ written as, the triggered merge of the same step would be.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
@@ -26,6 +27,7 @@ from mergeflow.config import (
     TaskRunner,
 )
 from mergeflow.errors import UsageError
+from mergeflow.flows.fan_out import FanOut, FanOutError, settle
 from mergeflow.flows.heartbeats import skip_heartbeat_join
 from mergeflow.flows.merge import merge_flow
 from mergeflow.flows.run_names import slug
@@ -74,6 +76,7 @@ def backfill_flow(
     quantize: Quantize = DEFAULT_QUANTIZE,
     extract_lora: int | None = None,
     extract_energy: float | None = None,
+    deployment: str | None = None,
 ) -> BackfillSummary:
     """Export every complete, unpublished global_step_N of a training run, oldest first.
 
@@ -94,6 +97,8 @@ def backfill_flow(
         quantize: Weight encoding: fp8 with output_format single_file (ComfyUI's scaled float8); none keeps dtype.
         extract_lora: Publish a LoRA of (trained - base) at this rank instead of the model (None: off).
         extract_energy: With extract_lora: per layer the smallest rank keeping this fraction of ||dW||, capped at it.
+        deployment: Fan out: each step as one run of this deployment (mergeflow-merge-checkpoint/on-checkpoint) on
+            its work pool's workers, all dispatched at once; None: each step in turn, here, as a subflow.
     """
     # A served run: its paths come from a form or the API, so they get the limits serve gives events.
     confinement = Confinement.of(checkpoint_roots, target_root, [base_model]) if checkpoint_roots is not None else None
@@ -104,6 +109,8 @@ def backfill_flow(
                                 output_format=output_format, dtype=dtype, allow_unchanged=allow_unchanged,
                                 stable_seconds=stable_seconds, max_shard_size=max_shard_size, workers=workers,
                                 quantize=quantize, extract_lora=extract_lora, extract_energy=extract_energy)
+    if deployment:
+        return _fan_out(settings, deployment, task_runner, dask_address, logger)
     runner = make_task_runner(task_runner, workers=workers, dask_address=dask_address)
 
     def merge(config: ModelMergerConfig) -> object:
@@ -113,3 +120,26 @@ def backfill_flow(
         return merge_flow.with_options(task_runner=runner)(config=config)
 
     return summary(backfill(settings, merge, report=lambda r: logger.info("%s", r.line())))
+
+
+def _fan_out(settings: BackfillSettings, deployment: str, task_runner: TaskRunner, dask_address: str | None,
+             logger: Any) -> BackfillSummary:
+    """Every unpublished complete step as one run of `deployment`; the summary once all of them have ended."""
+    if settings.allow_unchanged:
+        raise UsageError("allow_unchanged cannot fan out: the merge deployment has no such parameter; "
+                         "backfill without deployment to publish unchanged steps")
+    make_task_runner(task_runner, workers=settings.workers, dask_address=dask_address)  # a wrong pair fails here, once
+    run_name = settings.run_name or Path(settings.train_dir).expanduser().absolute().name
+    fan = FanOut(deployment, run_name, {
+        "output_format": settings.output_format, "dtype": settings.dtype, "max_shard_size": settings.max_shard_size,
+        "workers": settings.workers, "task_runner": task_runner, "dask_address": dask_address,
+        "quantize": settings.quantize, "extract_lora": settings.extract_lora, "extract_energy": settings.extract_energy})
+    results = settle(backfill(settings, fan), fan.wait())
+    for result in results:
+        logger.info("%s", result.line())
+    failed = [r for r in results if r.status == "failed"]
+    if failed:
+        raise FanOutError(f"{len(failed)} of {len(fan.runs)} step runs did not complete ("
+                          + "; ".join(f"global_step_{r.step}: {r.detail}" for r in failed)
+                          + "); backfill again to resume them from their staging")
+    return summary(results)

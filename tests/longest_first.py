@@ -25,6 +25,7 @@ import pytest
 # relative size matters. A key is a test's node id (its parametrized ids included, or without
 # them: all of them) or a module's path (its tests as one block).
 SECONDS: dict[str, float] = {
+    "tests/test_cluster.py": 130,  # one module-scoped cluster; ~35 s of it is a wait for missing heartbeats
     "tests/test_serve_startup.py::test_serve_watch_and_backfill_without_an_api_url_share_the_local_server": 120,
     "tests/test_serve.py::test_event_and_watcher_start_merges_validate_and_backfill_run_alone": 100,
     "tests/test_progress.py::test_prefect_s_telemetry_notice_comes_before_the_progress_never_inside_it": 60,

@@ -14,8 +14,8 @@ import time
 _SHARD_SUFFIX = ".safetensors.partial"
 
 
-def slow_shard_writes(seconds: float) -> None:
-    """From now on in this process, each `os.write` into a shard file waits `seconds` first."""
+def slow_shard_writes(seconds: float, within: str = "") -> None:
+    """From now on in this process, each `os.write` into a shard file (whose path contains `within`) waits `seconds` first."""
     write = os.write
 
     def slow_write(fd: int, data: bytes | bytearray | memoryview, /) -> int:
@@ -23,7 +23,7 @@ def slow_shard_writes(seconds: float) -> None:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             target = ""
-        if target.endswith(_SHARD_SUFFIX):
+        if target.endswith(_SHARD_SUFFIX) and within in target:
             time.sleep(seconds)
         return write(fd, data)
 

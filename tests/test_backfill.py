@@ -158,3 +158,14 @@ def test_a_served_backfill_reads_and_writes_only_inside_its_roots(tmp_path: Path
     with pytest.raises(UsageError, match="run_name '..' cannot name a directory"):
         backfill_flow(train_dir=str(inside / "clean"), run_name="..", **common)
     assert list(out.iterdir()) == []  # nothing was written
+
+
+def test_a_fanned_out_backfill_refuses_allow_unchanged_before_dispatching(tmp_path: Path, pristine_run: TrainingRun,
+                                                                          prefect_api: PrefectServer) -> None:
+    """The merge deployment cannot publish unchanged weights: refused up front, not as failed step runs
+    (the fan-out itself runs in tests/test_cluster.py)."""
+    train, out = clone_run(pristine_run, tmp_path, steps=(1,), published=())
+    with pytest.raises(UsageError, match="allow_unchanged cannot fan out"):
+        backfill_flow(train_dir=str(train), base_model=str(pristine_run.base_dir), target_root=str(out),
+                      allow_unchanged=True, stable_seconds=0, deployment="mergeflow-merge-checkpoint/on-checkpoint")
+    assert not out.exists()
