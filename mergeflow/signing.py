@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -182,17 +183,18 @@ def verify_artifact(home: Path, verify_key: str | Path) -> str:
     return f"verified by {fingerprint}"
 
 
+# model_signing's mismatch report (verifying.Config._get_manifest_diff), each kind with the one line mergeflow says.
+_MISMATCHES = (
+    (r"Hash mismatch for '([^']+)'", "{} does not match its sha256 in {sig}: the file was changed after signing"),
+    (r"Extra files found in model '[^']*': ([^,\]'\"]+)", "{} is not covered by {sig}: it was added after signing"),
+    (r"Missing files in model '[^']*': ([^,\]'\"]+)", "{} is signed in {sig} but missing from the artifact"),
+)
+
+
 def _mismatch_line(exc: ValueError) -> str:
     """model_signing's mismatch report as one line naming the first file."""
-    import re
-
     text = str(exc)
-    for pattern, line in ((r"Hash mismatch for '([^']+)'", "{} does not match its sha256 in {sig}: the file was changed "
-                                                           "after signing"),
-                          (r"Extra files found in model '[^']*': ([^,\]'\"]+)", "{} is not covered by {sig}: it was "
-                                                                               "added after signing"),
-                          (r"Missing files in model '[^']*': ([^,\]'\"]+)", "{} is signed in {sig} but missing from "
-                                                                           "the artifact")):
+    for pattern, line in _MISMATCHES:
         match = re.search(pattern, text)
         if match:
             return line.format(match.group(1).strip(), sig=SIGNATURE_NAME)
