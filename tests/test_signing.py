@@ -22,7 +22,11 @@ from builders import make_export
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
-from mergeflow.errors import ArtifactInvalidError, ExportInterruptedError, SigningKeyError
+from mergeflow.errors import (
+    ArtifactInvalidError,
+    ExportInterruptedError,
+    SigningKeyError,
+)
 from mergeflow.export.check.artifact_check import check_artifact, list_tree
 from mergeflow.formats.manifest import MANIFEST_NAME
 from mergeflow.formats.seal import PIN_NAME, SIGNATURE_NAME, read_signed_statement
@@ -115,7 +119,7 @@ def _standard_verify(artifact: Path, public_key: Path) -> subprocess.CompletedPr
     """The package's own verifier, as its README says to run it, in a separate process."""
     return subprocess.run([sys.executable, "-m", "model_signing", "verify", "key", str(artifact),
                            "--signature", str(artifact / SIGNATURE_NAME), "--public_key", str(public_key)],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, check=False)
 
 
 def _edit_producer(artifact: Path) -> None:
@@ -231,7 +235,7 @@ def test_a_resigned_or_unsigned_copy_is_told_apart_only_with_the_key(signed: Pat
 def test_without_a_key_test_catches_the_issue_edit(unsigned: Path, env: dict[str, str], tmp_path: Path) -> None:
     assert not (unsigned / SIGNATURE_NAME).exists()
     # The pin is sha256sum's own format: the standard tool checks it too.
-    sums = subprocess.run(["sha256sum", "-c", PIN_NAME], cwd=unsigned, capture_output=True, text=True, timeout=60)
+    sums = subprocess.run(["sha256sum", "-c", PIN_NAME], cwd=unsigned, capture_output=True, text=True, timeout=60, check=False)
     assert sums.returncode == 0 and f"{MANIFEST_NAME}: OK" in sums.stdout
     copy = _copy(unsigned, tmp_path)
     _edit_producer(copy)
@@ -394,8 +398,8 @@ def test_deployments_take_the_key_as_a_typed_parameter(export: Any, keys: Keys, 
         schema = parameter_schema(flow_fn).model_dump()["properties"][name]
         assert {"type": "string"} in schema["anyOf"] and schema.get("default") is None, schema
         assert "elliptic-curve" in schema["description"]
-    settings = dict(base_model=str(export.base_dir), target_root=str(tmp_path), checkpoint_roots=(str(tmp_path),),
-                    output_format="transformer")
+    settings: dict[str, Any] = {"base_model": str(export.base_dir), "target_root": str(tmp_path),
+                                "checkpoint_roots": (str(tmp_path),), "output_format": "transformer"}
     served = ServeSettings(**settings, sign_key=str(keys.signer)).checked()  # type: ignore[arg-type]
     assert served.parameters()["sign_key"] == str(keys.signer.resolve())
     assert served.backfill_parameters()["sign_key"] == str(keys.signer.resolve())
