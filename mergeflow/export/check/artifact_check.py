@@ -112,13 +112,13 @@ def check_tree_and_hashes(root: Path, files: dict[str, str], *, verified: Mappin
 
     `verified` (staged exports only) names files whose digest this export proved from their
     bytes: such a file is taken as read while its stamp is unchanged since; every other file,
-    and every file of a published artifact, is hashed here. `sealed`: root is the artifact's top,
-    where the manifest's pin and signature lie beside it, unlisted (mergeflow/formats/seal.py).
+    and every file of a published artifact, is hashed here. The manifest's pin lies beside it, unlisted;
+    `sealed`: root is the artifact's top, where its signature lies too (mergeflow/formats/seal.py).
     """
     folders: set[str] = set()
     sizes = _tree_sizes(root, folders)
     sizes.pop(MANIFEST_NAME, None)
-    for name in SEAL_NAMES if sealed else ():
+    for name in SEAL_NAMES if sealed else (PIN_NAME,):
         sizes.pop(name, None)
     present, listed = set(sizes), set(files)
     if present - listed:
@@ -210,6 +210,8 @@ def validate_artifact_dir(root: Path, verified: Mapping[str, VerifiedFile] | Non
             raise ArtifactInvalidError(f"{ADAPTER_DIR}/ holds an artifact that is not a peft_adapter")
     if top:  # last: every check above names the defect itself; these catch an edit that passes them all
         check_seal(root, digests, published=published)
+    else:  # an adapter beside a model: the model's manifest lists its pin, checked here against its manifest
+        check_pin(root, sha256_file(manifest_path), required=False)
     return ArtifactSummary(manifest["architecture"], manifest["artifact_type"], len(manifest["files"]) + 1, count, manifest)
 
 
