@@ -132,22 +132,27 @@ def _item(model_signing: Any, descriptor: Any) -> Any:
     return model_signing.manifest.FileManifestItem(path=Path(descriptor.identifier), digest=descriptor.digest)
 
 
-def sign_artifact(home: Path, key_path: str | Path, name: str) -> str:
+def sign_artifact(home: Path, key_path: str | Path, name: str, work_dir: Path | None = None) -> str:
     """Write `home/model.sig` over every file in `home`, durably; returns the signing key's fingerprint.
 
-    `name`: the published artifact's directory name (the signed statement's subject).
+    `name`: the published artifact's directory name (the signed statement's subject). `work_dir`
+    (outside `home`, same filesystem): where the bundle is written before its rename, so a kill
+    mid-write never leaves half a signature in the artifact.
     """
     key = load_signing_key(key_path)
     model_signing = _model_signing()
     signature = home / SIGNATURE_NAME
     signature.unlink(missing_ok=True)  # an earlier attempt's, over files that may have changed since
+    written = (work_dir / f"{SIGNATURE_NAME}.partial") if work_dir is not None else signature
     try:
         (model_signing.signing.Config().use_elliptic_key_signer(private_key=Path(key_path).expanduser())
-         .set_hashing_config(_hashing_named(model_signing, name)).sign(home, signature))
+         .set_hashing_config(_hashing_named(model_signing, name)).sign(home, written))
     except ValueError as exc:  # a symlink or special file in the tree; validation refuses those first
         raise ArtifactInvalidError(f"signing {name} failed: {exc}") from None
-    with open(signature, "rb") as handle:  # durable before the publish rename makes it visible
+    with open(written, "rb") as handle:  # durable before the publish rename makes it visible
         os.fsync(handle.fileno())
+    if written != signature:
+        os.replace(written, signature)
     return key_fingerprint(key.public_key())
 
 

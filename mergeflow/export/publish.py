@@ -139,7 +139,11 @@ def seal_staged(plan: MergePlan, report: ValidationReport) -> SealRecord:
     if sha256_file(home / MANIFEST_NAME) != report.manifest_sha256:
         raise ArtifactInvalidError("the staged manifest changed after validation; nothing was published")
     write_pin(home, report.manifest_sha256)
-    signed_by = sign_artifact(home, plan.options.sign_key, Path(plan.output.target).name) if plan.options.sign_key else None
+    signed_by = None
+    if plan.options.sign_key:
+        work = Path(plan.output.work_dir)
+        work.mkdir(parents=True, exist_ok=True)
+        signed_by = sign_artifact(home, plan.options.sign_key, Path(plan.output.target).name, work)
     return SealRecord(manifest_sha256=report.manifest_sha256, signed_by=signed_by)
 
 

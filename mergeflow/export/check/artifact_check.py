@@ -225,7 +225,8 @@ def check_seal(home: Path, digests: dict[str, str], *, published: bool) -> str |
     manifest_sha256 = sha256_file(home / MANIFEST_NAME)
     check_pin(home, manifest_sha256, required=published)
     signature = home / SIGNATURE_NAME
-    if not (signature.exists() or signature.is_symlink()):
+    # In staging, a signature is an earlier attempt's, which the seal step replaces: not this export's yet.
+    if not published or not (signature.exists() or signature.is_symlink()):
         return None
     statement = read_signed_statement(signature)
     covered = {**digests, MANIFEST_NAME: manifest_sha256}
