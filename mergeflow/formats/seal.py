@@ -54,7 +54,7 @@ def check_pin(home: Path, manifest_sha256: str, *, required: bool) -> None:
     if path.is_symlink() or not path.exists():
         if required:
             raise ArtifactInvalidError(f"{PIN_NAME} is missing: nothing pins {MANIFEST_NAME}, so an edit of it cannot be "
-                                       "told from the export; export again (mergeflow 0.1 writes the pin at publication)")
+                                       "told from the export; export it again (every export is pinned when published)")
         return
     if not path.is_file():
         raise ArtifactInvalidError(f"{PIN_NAME} is not a regular file")
