@@ -34,7 +34,7 @@ def merge_direct(config: Any) -> dict[str, str]:
     """The merge flow's steps for a plain (non-LoRA) export, called directly: no Prefect at all."""
     from mergeflow.export.check.staged_check import validate_staged
     from mergeflow.export.plan.build import build_plan
-    from mergeflow.export.publish import finalize_staging, publish_staged
+    from mergeflow.export.publish import finalize_staging, publish_staged, seal_staged
     from mergeflow.export.reconstruct.layout import rank_layouts
     from mergeflow.export.reconstruct.rebuild import plan_tensor_writes
     from mergeflow.export.write.shard_writer import pack_shards, write_shard_file
@@ -62,7 +62,8 @@ def merge_direct(config: Any) -> dict[str, str]:
         records = [w.result() for w in writes]
         manifest = finalize_staging(plan, output, {name: h.result() for name, h in hashes.items()}, records)
         verified = {plan.output.relative(r.file_name): r.verified() for r in records}
-        return publish_staged(plan, validate_staged(plan, manifest, verified))
+        report = validate_staged(plan, manifest, verified)
+        return publish_staged(plan, report, seal_staged(plan, report))
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ parser imports Prefect: `mergeflow --help` stays instant.
 from __future__ import annotations
 
 import argparse
+import os
 from typing import TypedDict
 
 from mergeflow.config import (
@@ -20,6 +21,7 @@ from mergeflow.config import (
     DTYPES,
     OUTPUT_FORMATS,
     QUANTIZATIONS,
+    SIGN_KEY_ENV,
 )
 from mergeflow.flows import cli
 from mergeflow.flows.ops_cli import add_task_runner_flags
@@ -52,6 +54,9 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[
                        help="publish a LoRA of (trained - base) at this rank instead of the model")
     serve.add_argument("--extract-energy", "--extract_energy", dest="extract_energy", type=float, metavar="F",
                        help="with --extract-lora: per layer the smallest rank keeping ||dW_r||/||dW|| >= F, capped at RANK")
+    serve.add_argument("--sign-key", "--sign_key", dest="sign_key", metavar="PEM", default=os.environ.get(SIGN_KEY_ENV) or None,
+                       help=f"sign every export before publishing (OpenSSF model signing) with this elliptic-curve "
+                            f"private key (default: ${SIGN_KEY_ENV})")
     serve.add_argument("--limit", type=int, default=1, help="merges running at the same time")
     add_task_runner_flags(serve)
     serve.add_argument("--debug", action="store_true", help="show tracebacks and Prefect's console logs")
@@ -73,7 +78,7 @@ def cmd_serve(args: argparse.Namespace) -> ServeResult:
         workers=args.workers, task_runner=args.task_runner, dask_address=args.dask_address,
         checkpoint_roots=tuple(args.checkpoint_roots), allowed_base_models=tuple(args.allowed_base_models),
         quantize=args.quantize,
-        extract_lora=args.extract_lora, extract_energy=args.extract_energy,
+        extract_lora=args.extract_lora, extract_energy=args.extract_energy, sign_key=args.sign_key,
     ).checked()  # merge's pre-flight on serve's settings: what every triggered run would fail on, before any server
     use_prefect_api("serve")  # before Prefect is imported (the next import): it reads PREFECT_API_URL then
     from mergeflow.deployments.serve import serve_deployments, served_names

@@ -25,6 +25,9 @@ def merge_model(config: ModelMergerConfig, *, task_runner: str = DEFAULT_TASK_RU
     return MergeResult(output_dir=result["output_dir"], manifest_path=result["manifest_path"], upload=result.get("upload"))
 
 
-def validate_artifact(path: str | Path) -> IntegrityResult:
-    """Run the validate flow on a published (or staged) artifact; raises ArtifactInvalidError on any defect."""
-    return validate_flow(test_hf_dir=str(path))
+def validate_artifact(path: str | Path, verify_key: str | Path | None = None) -> IntegrityResult:
+    """Run the validate flow on a published (or staged) artifact; raises ArtifactInvalidError on any defect.
+
+    `verify_key`: an elliptic-curve public key (PEM): the artifact's OpenSSF model signature must verify with it.
+    """
+    return validate_flow(test_hf_dir=str(path), verify_key=str(verify_key) if verify_key is not None else None)

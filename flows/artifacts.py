@@ -125,6 +125,32 @@ def summary_markdown(plan: MergePlan, manifest: Manifest, output_dir: str, total
     ])
 
 
+def seal_markdown(output_dir: Path) -> str:
+    """How the published artifact is sealed: the manifest's pin, and whether (by which key) it is signed."""
+    from mergeflow.formats.seal import PIN_NAME, SIGNATURE_NAME, read_signed_statement
+    from mergeflow.lora.artifact import adapter_only_root
+
+    home = adapter_only_root(output_dir) or output_dir
+    signature = home / SIGNATURE_NAME
+    pin = (home / PIN_NAME).read_text().split()[0] if (home / PIN_NAME).is_file() else None
+    lines = ["", "", "## Seal", "", "| field | value |", "|---|---|",
+             f"| manifest pin | `{PIN_NAME}`: sha256 `{pin[:SHORT_DIGEST_CHARS]}…` of {MANIFEST_NAME} |" if pin
+             else f"| manifest pin | none ({PIN_NAME} missing) |"]
+    if not signature.is_file():
+        lines.append("| signature | **not signed** (no `--sign-key` / `MERGEFLOW_SIGN_KEY`): the unsigned check catches "
+                     "an edit of the manifest alone, not a forged manifest with its pin |")
+        return "\n".join(lines)
+    key = read_signed_statement(signature).key_fingerprint
+    where = shlex.quote(str(home))
+    verify = (f"model_signing verify key {where} --signature {shlex.quote(str(signature))} --public_key PUBLIC_KEY.pem\n"
+              f"{validate_command(str(output_dir))} --verify-key PUBLIC_KEY.pem")
+    lines += [f"| signature | **signed**, OpenSSF model signing (`{SIGNATURE_NAME}`), every file covered |",
+              f"| signing key | sha256 fingerprint `{key}` |", "",
+              "Verify it with the standard tool, or with mergeflow, given the signer's public key:", "",
+              f"```\n{verify}\n```"]
+    return "\n".join(lines)
+
+
 def quantization_rows(record: Mapping[str, Any] | None) -> list[str]:
     """A quantized file's rows: how, how many tensors, and the worst dequantization error (from the manifest).
 
@@ -155,7 +181,7 @@ def publish_manifest_artifacts(plan: MergePlan, manifest: Manifest, output_dir: 
     create_table_artifact(table=manifest_rows(manifest, sizes), key=artifact_key("merge-manifest", label),
                           description=f"Files of the published artifact: size and the start of each sha256 "
                                       f"(the full digests are in its {MANIFEST_NAME})")
-    create_markdown_artifact(markdown=summary_markdown(plan, manifest, output_dir, total),
+    create_markdown_artifact(markdown=summary_markdown(plan, manifest, output_dir, total) + seal_markdown(Path(output_dir)),
                              key=artifact_key("merge-summary", label), description="Export summary")
     if plan.extract is not None:
         publish_extraction_artifact(Path(output_dir), label)

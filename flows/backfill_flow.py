@@ -77,6 +77,7 @@ def backfill_flow(
     extract_lora: int | None = None,
     extract_energy: float | None = None,
     deployment: str | None = None,
+    sign_key: str | None = None,
 ) -> BackfillSummary:
     """Export every complete, unpublished global_step_N of a training run, oldest first.
 
@@ -99,6 +100,8 @@ def backfill_flow(
         extract_energy: With extract_lora: per layer the smallest rank keeping this fraction of ||dW||, capped at it.
         deployment: Fan out: each step as one run of this deployment (mergeflow-merge-checkpoint/on-checkpoint) on
             its work pool's workers, all dispatched at once; None: each step in turn, here, as a subflow.
+        sign_key: Absolute path of an elliptic-curve private key (PEM) on the worker: each step is signed
+            (OpenSSF model signing, model.sig) before it is published. Default: the worker's MERGEFLOW_SIGN_KEY.
     """
     # A served run: its paths come from a form or the API, so they get the limits serve gives events.
     confinement = Confinement.of(checkpoint_roots, target_root, [base_model]) if checkpoint_roots is not None else None
@@ -108,7 +111,8 @@ def backfill_flow(
     settings = BackfillSettings(train_dir=train_dir, base_model=base_model, target_root=target_root, run_name=run_name,
                                 output_format=output_format, dtype=dtype, allow_unchanged=allow_unchanged,
                                 stable_seconds=stable_seconds, max_shard_size=max_shard_size, workers=workers,
-                                quantize=quantize, extract_lora=extract_lora, extract_energy=extract_energy)
+                                quantize=quantize, extract_lora=extract_lora, extract_energy=extract_energy,
+                                sign_key=sign_key)
     if deployment:
         return _fan_out(settings, deployment, task_runner, dask_address, logger)
     runner = make_task_runner(task_runner, workers=workers, dask_address=dask_address)
@@ -133,7 +137,8 @@ def _fan_out(settings: BackfillSettings, deployment: str, task_runner: TaskRunne
     fan = FanOut(deployment, run_name, {
         "output_format": settings.output_format, "dtype": settings.dtype, "max_shard_size": settings.max_shard_size,
         "workers": settings.workers, "task_runner": task_runner, "dask_address": dask_address,
-        "quantize": settings.quantize, "extract_lora": settings.extract_lora, "extract_energy": settings.extract_energy})
+        "quantize": settings.quantize, "extract_lora": settings.extract_lora, "extract_energy": settings.extract_energy,
+        "sign_key": settings.sign_key})
     results = settle(backfill(settings, fan), fan.wait())
     for result in results:
         logger.info("%s", result.line())

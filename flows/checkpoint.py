@@ -78,6 +78,7 @@ def resolve_checkpoint_config(
     quantize: Quantize = DEFAULT_QUANTIZE,
     extract_lora: int | None = None,
     extract_energy: float | None = None,
+    sign_key: str | None = None,
 ) -> ModelMergerConfig:
     """The merge config for one event payload; payload keys override the served defaults.
 
@@ -116,6 +117,7 @@ def resolve_checkpoint_config(
         workers=workers,
         extract_lora=extract_lora,
         extract_energy=extract_energy,
+        sign_key=sign_key,  # the deployment's, never the event's: who signs is the operator's choice
     )
     config.validate()
     return config
@@ -173,6 +175,7 @@ def merge_checkpoint_flow(
     quantize: Quantize = DEFAULT_QUANTIZE,
     extract_lora: int | None = None,
     extract_energy: float | None = None,
+    sign_key: str | None = None,
 ) -> PublishedMerge:
     """Export the checkpoint an event names (payload keys override these defaults).
 
@@ -197,13 +200,15 @@ def merge_checkpoint_flow(
         quantize: Weight encoding: fp8 with output_format single_file (ComfyUI's scaled float8); none keeps dtype.
         extract_lora: Publish a LoRA of (trained - base) at this rank instead of the model (None: off).
         extract_energy: With extract_lora: per layer the smallest rank keeping this fraction of ||dW||, capped at it.
+        sign_key: Absolute path of an elliptic-curve private key (PEM) on the worker: each export is signed
+            (OpenSSF model signing, model.sig) before it is published. Default: the worker's MERGEFLOW_SIGN_KEY.
     """
     payload = payload_dict(checkpoint)
     confinement = Confinement.of(checkpoint_roots, target_root, [b for b in (base_model, *(allowed_base_models or ())) if b])
     config = resolve_checkpoint_config(
         payload, confinement=confinement, base_model=base_model, target_root=target_root, output_format=output_format, dtype=dtype,
         max_shard_size=max_shard_size, hf_upload_path=hf_upload_path, private=private, workers=workers, quantize=quantize,
-        extract_lora=extract_lora, extract_energy=extract_energy,
+        extract_lora=extract_lora, extract_energy=extract_energy, sign_key=sign_key,
     )
     target = Path(str(config.target_dir))
     if not Path(confinement.target_root).is_dir():

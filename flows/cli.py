@@ -23,6 +23,7 @@ from mergeflow.config import (
     OUTPUT_FORMATS,
     QKV_LAYOUTS,
     QUANTIZATIONS,
+    SIGN_KEY_ENV,
     ModelMergerConfig,
     PublishedMerge,
     UploadSummary,
@@ -183,12 +184,17 @@ def build_parser(more: Verbs = NO_VERBS) -> argparse.ArgumentParser:
     _flag(merge, "--workers", type=int, default=DEFAULT_WORKERS, help="parallel shard writers")
     _flag(merge, "--allow-unchanged", "--allow_unchanged", dest="allow_unchanged", action="store_true",
           help="publish even when every exported tensor equals the base's bit for bit (refused otherwise)")
+    _flag(merge, "--sign-key", "--sign_key", dest="sign_key", metavar="PEM",
+          help=f"sign the artifact before publishing (OpenSSF model signing) with this elliptic-curve private key "
+               f"(default: ${SIGN_KEY_ENV})")
     add_task_runner_flags(merge)
 
     test = command("test", "validate a published artifact without its source")
     _common(test)
     _flag(test, "--test_hf_dir", "--test-hf-dir", dest="test_hf_dir", required=True,
           help="the artifact (or a failed export's staging directory)")
+    _flag(test, "--verify-key", "--verify_key", dest="verify_key", metavar="PUB",
+          help="also verify the artifact's OpenSSF model signature (model.sig) with this elliptic-curve public key")
 
     inspect = command("inspect", "describe a checkpoint without exporting it")
     _flag(inspect, "--local_dir", "--local-dir", dest="local_dir", required=True, help="the checkpoint's actor directory")
@@ -302,7 +308,7 @@ def cmd_test(args: argparse.Namespace) -> IntegrityResult:
     # cost many times the checks. The validate flow (UI reruns, the API) runs this same function.
     from mergeflow.export.check.artifact_check import check_artifact
 
-    return check_artifact(args.test_hf_dir)
+    return check_artifact(args.test_hf_dir, args.verify_key)
 
 
 def cmd_inspect(args: argparse.Namespace) -> CheckpointDescription:

@@ -44,7 +44,13 @@ from mergeflow.flows.progress import (
     merge_progress,
 )
 from mergeflow.flows.run_names import export_label
-from mergeflow.records import Manifest, MergePlan, ShardRecord, TensorLayout
+from mergeflow.records import (
+    Manifest,
+    MergePlan,
+    ShardRecord,
+    TensorLayout,
+    ValidationReport,
+)
 from mergeflow.tasks.copy_components import copy_components
 from mergeflow.tasks.inspect_inputs import inspect_inputs
 from mergeflow.tasks.layouts import combine_rank_layouts, index_dcp
@@ -55,7 +61,7 @@ from mergeflow.tasks.lora import (
     plan_lora_writes,
     write_lora_adapter,
 )
-from mergeflow.tasks.publish import publish, write_metadata
+from mergeflow.tasks.publish import publish, seal, write_metadata
 from mergeflow.tasks.reconstruct import plan_reconstruction
 from mergeflow.tasks.upload import upload_to_hub
 from mergeflow.tasks.validate import guard_unchanged_task, validate_staged_task
@@ -131,7 +137,7 @@ def run_export(plan: MergePlan, allow_unchanged: bool = False) -> tuple[dict[str
     if lora is not None and not lora.writes_model:  # a LoRA-only adapter export: lora_adapter/ is the artifact
         progress.begin(VALIDATING)
         report = validate_staged_task(light(plan), light(adapter.manifest), light(adapter.verified()))
-        return publish(light(plan), report), adapter.manifest
+        return seal_and_publish(plan, report), adapter.manifest
     # The tensors to write (an architecture adapter's conversion and the output's key mapping applied), packed
     # into the output's files by its writer: sharded safetensors, or one file.
     output = (plan_lora_writes(light(plan), light(lora), light(layouts)) if lora is not None
@@ -165,8 +171,13 @@ def run_export(plan: MergePlan, allow_unchanged: bool = False) -> tuple[dict[str
     progress.begin(VALIDATING)
     report = validate_staged_task(light(plan), light(manifest), light(verified))
     progress.begin(PUBLISHING)
-    result = publish(light(plan), light(report))
-    return result, manifest
+    return seal_and_publish(plan, report), manifest
+
+
+def seal_and_publish(plan: MergePlan, report: ValidationReport) -> dict[str, str]:
+    """Pin the validated manifest, sign everything when a key is configured, then publish: with a key,
+    no unsigned artifact is ever visible."""
+    return publish(light(plan), light(report), seal(light(plan), light(report)))
 
 
 def run_extraction_export(plan: MergePlan, layouts: dict[str, TensorLayout],
@@ -183,7 +194,7 @@ def run_extraction_export(plan: MergePlan, layouts: dict[str, TensorLayout],
     progress.begin(VALIDATING)
     report = validate_staged_task(light(plan), light(adapter.manifest), light(adapter.verified()))
     progress.begin(PUBLISHING)
-    return publish(light(plan), report), adapter.manifest
+    return seal_and_publish(plan, report), adapter.manifest
 
 
 @flow(name="mergeflow-merge", flow_run_name=merge_run_name, persist_result=True, validate_parameters=True,

@@ -18,6 +18,7 @@ from mergeflow.config import (
     DTYPES,
     OUTPUT_FORMATS,
     QUANTIZATIONS,
+    SIGN_KEY_ENV,
     TASK_RUNNERS,
 )
 from mergeflow.errors import ConcurrentExportError
@@ -79,6 +80,9 @@ def add_backfill_command(sub: argparse._SubParsersAction) -> None:  # type: igno
                         help="publish a LoRA of (trained - base) at this rank instead of the model")
     parser.add_argument("--extract-energy", "--extract_energy", dest="extract_energy", type=float, metavar="F",
                         help="with --extract-lora: per layer the smallest rank keeping ||dW_r||/||dW|| >= F, capped at RANK")
+    parser.add_argument("--sign-key", "--sign_key", dest="sign_key", metavar="PEM",
+                        help=f"sign each step before publishing (OpenSSF model signing) with this elliptic-curve private "
+                             f"key (default: ${SIGN_KEY_ENV})")
     parser.add_argument("--stable-seconds", dest="stable_seconds", type=float, default=5.0,
                         help="a checkpoint must stay unchanged this long to count as complete (as for watch)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and Prefect's console logs")
@@ -88,7 +92,7 @@ def backfill_settings(args: argparse.Namespace) -> BackfillSettings:
     return BackfillSettings(train_dir=args.train_dir, base_model=args.base_model, target_root=args.target_root,
                             run_name=args.run_name, output_format=args.output_format, dtype=args.dtype, quantize=args.quantize,
                             allow_unchanged=args.allow_unchanged, stable_seconds=args.stable_seconds,
-                            extract_lora=args.extract_lora, extract_energy=args.extract_energy)
+                            extract_lora=args.extract_lora, extract_energy=args.extract_energy, sign_key=args.sign_key)
 
 
 @contextmanager

@@ -59,6 +59,7 @@ DEFAULT_MAX_SHARD_SIZE = 2 * 1024**3
 DEFAULT_WORKERS = 2
 MAX_WORKERS = 256  # parallel shard writers; on Dask each one a local process
 DEFAULT_TASK_RUNNER: TaskRunner = "thread"
+SIGN_KEY_ENV = "MERGEFLOW_SIGN_KEY"  # the signing key's path when no --sign-key is given
 
 
 @dataclass
@@ -93,8 +94,13 @@ class ModelMergerConfig:
     # --extract-energy F: per layer the smallest rank that keeps the fraction F of ||dW||, capped at RANK.
     extract_lora: int | None = None
     extract_energy: float | None = None
+    # --sign-key PEM: sign the artifact (OpenSSF model signing, mergeflow/signing.py) before it is published;
+    # unset, the environment's MERGEFLOW_SIGN_KEY (SIGN_KEY_ENV) applies, in whichever process plans the export.
+    sign_key: str | None = None
 
     def __post_init__(self) -> None:
+        if self.sign_key is None and self.operation == "merge":
+            self.sign_key = os.environ.get(SIGN_KEY_ENV) or None
         if self.hf_model_config_path is None and self.local_dir is not None:
             self.hf_model_config_path = f"{self.local_dir.rstrip('/')}/huggingface"
 

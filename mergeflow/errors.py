@@ -65,6 +65,10 @@ class UsageError(MergeflowError):
     """Flags or config values that cannot work together."""
 
 
+class SigningKeyError(UsageError):
+    """--sign-key / --verify-key: unreadable, not an elliptic-curve PEM key of the right kind, or not the signer's."""
+
+
 class PathSafetyError(MergeflowError):
     """A path would escape its directory, overlap another input, or replace an existing one."""
 

@@ -57,6 +57,7 @@ class ExportOptions:
     max_shard_size: int
     trust_checkpoint: bool = False
     workers: int = 2
+    sign_key: str | None = None  # a PEM private key's absolute path: the artifact is signed before publication
 
 
 @dataclass(frozen=True)
@@ -321,3 +322,16 @@ class ValidationReport:
     files_checked: int
     tensors_checked: int
     layers: dict[str, str]
+
+
+@dataclass(frozen=True)
+class SealRecord:
+    """What the seal step added beside the validated manifest (mergeflow/formats/seal.py): its pin, and a
+    signature when a key is configured (`signed_by`: the key's fingerprint)."""
+
+    manifest_sha256: str
+    signed_by: str | None = None
+
+    @property
+    def files_added(self) -> int:
+        return 1 if self.signed_by is None else 2

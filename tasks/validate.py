@@ -33,6 +33,14 @@ def validate_staged_task(plan: MergePlan, manifest: Manifest,
     return validate_staged(plan, manifest, verified)
 
 
+@task(name="verify-signature", task_run_name="verify-signature", cache_policy=NO_CACHE)
+def verify_signature_task(path: str, verify_key: str) -> str:
+    """Verify the artifact's OpenSSF model signature with the public key: "verified by <fingerprint>"."""
+    from mergeflow.signing import verify_artifact
+
+    return verify_artifact(Path(path), verify_key)
+
+
 @task(name="validate-artifact", task_run_name="validate-artifact")  # the flow run names the artifact: no machine path here
 def validate_artifact_task(path: str) -> ArtifactCounts:
     """Validate a published (or staged) artifact without its source checkpoint."""

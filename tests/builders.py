@@ -129,6 +129,7 @@ PLAIN_STAGES = {
     "hash": "mergeflow.sources.verl_ranks.hash_rank_file",
     "metadata": "mergeflow.export.publish.finalize_staging",
     "validate": "mergeflow.export.check.staged_check.validate_staged",
+    "seal": "mergeflow.export.publish.seal_staged",
     "publish": "mergeflow.export.publish.publish_staged",
 }
 
@@ -167,7 +168,7 @@ def _plain_run_export(plan, run: PlainRun) -> dict[str, str]:  # type: ignore[no
     from mergeflow.tasks.copy_components import copy_components
     from mergeflow.tasks.layouts import combine_rank_layouts
     from mergeflow.tasks.load import hash_rank, load_rank_shards
-    from mergeflow.tasks.publish import publish, write_metadata
+    from mergeflow.tasks.publish import publish, seal, write_metadata
     from mergeflow.tasks.reconstruct import plan_reconstruction
     from mergeflow.tasks.validate import validate_staged_task
     from mergeflow.tasks.write import write_shard
@@ -191,8 +192,10 @@ def _plain_run_export(plan, run: PlainRun) -> dict[str, str]:  # type: ignore[no
     manifest = write_metadata.fn(plan, output, digests, records, list(copied.files) if copied else None, None)
     run.stage = "validate"
     report = validate_staged_task.fn(plan, manifest, {plan.output.relative(r.file_name): r.verified() for r in records})
+    run.stage = "seal"
+    sealed = seal.fn(plan, report)
     run.stage = "publish"
-    return publish.fn(plan, report)
+    return publish.fn(plan, report, sealed)
 
 
 def assert_nothing_published(ex: Export, target: Path, err: Exception, inputs_before: tuple) -> None:

@@ -26,6 +26,7 @@ from mergeflow.errors import (
     UploadTransientError,
     UploadVerificationError,
 )
+from mergeflow.formats.seal import SEAL_NAMES
 from mergeflow.hub.retry import call_with_retries
 from mergeflow.hub.upload import MANIFEST_NAME, upload_artifact, verify_upload
 
@@ -83,8 +84,10 @@ def _upload(hub: LocalHubServer, artifact: Path, **kwargs):
 
 
 def _artifact_files(artifact: Path) -> dict[str, bytes]:
+    """What the Hub must hold: the manifest's files, the manifest, and its pin and signature when present."""
     listed = json.loads((artifact / MANIFEST_NAME).read_text())["files"]
-    return {p: (artifact / p).read_bytes() for p in [*listed, MANIFEST_NAME]}
+    sealed = [name for name in SEAL_NAMES if (artifact / name).is_file()]
+    return {p: (artifact / p).read_bytes() for p in [*listed, MANIFEST_NAME, *sealed]}
 
 
 def _assert_hub_holds_artifact(hub: LocalHubServer, artifact: Path) -> None:
@@ -302,7 +305,7 @@ def test_a_single_file_export_uploads_and_verifies(hub, tmp_path, prefect_api, q
     record = _upload(hub, out)
     _assert_hub_holds_artifact(hub, out)
     assert hub.files(REPO)["transformer.safetensors"].lfs
-    assert record.files_verified == len(_artifact_files(out)) == 3
+    assert record.files_verified == len(_artifact_files(out)) == 4  # config, weights, manifest, its pin
 
 
 def test_a_gguf_export_uploads_and_verifies(hub, tmp_path, prefect_api):
@@ -315,4 +318,4 @@ def test_a_gguf_export_uploads_and_verifies(hub, tmp_path, prefect_api):
     record = _upload(hub, out)
     _assert_hub_holds_artifact(hub, out)
     assert hub.files(REPO)["transformer.gguf"].lfs
-    assert record.files_verified == len(_artifact_files(out)) == 3
+    assert record.files_verified == len(_artifact_files(out)) == 4  # config, weights, manifest, its pin

@@ -18,6 +18,7 @@ from mergeflow.config import ADAPTER_FORMATS, OUTPUT_FORMATS, ModelMergerConfig
 from mergeflow.errors import ArtifactInvalidError, UsageError
 from mergeflow.flows.cli import build_parser
 from mergeflow.formats.manifest import MANIFEST_NAME
+from mergeflow.formats.seal import PIN_NAME
 from mergeflow.io.jsonfiles import dumps_canonical
 from mergeflow.outputs.registry import option_values, register_output, unregister_output
 
@@ -92,7 +93,7 @@ def test_toy_output_through_merge_publish_and_test(tmp_path: Path, prefect_api: 
     manifest = json.loads((out / MANIFEST_NAME).read_text())
     assert manifest["artifact_type"] == "toy_transformer" and manifest["tensor_directory"] == "."
     assert sorted(manifest["files"]) == ["config.json", TOY_WEIGHTS]
-    assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", TOY_WEIGHTS, MANIFEST_NAME])
+    assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", TOY_WEIGHTS, MANIFEST_NAME, PIN_NAME])
     # The mapping hook renamed every tensor, bytes unchanged.
     published = output_state(out)
     expected = {TOY_PREFIX + key: value for key, value in ex.actor.state_dict().items()}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from mergeflow.errors import ArtifactInvalidError
 from mergeflow.export.check.artifact_check import list_tree, manifest_relpath
@@ -21,6 +21,7 @@ from mergeflow.formats.manifest import (
     UnchangedMeasurement,
     producer_versions,
 )
+from mergeflow.formats.seal import SIGNATURE_NAME, write_pin
 from mergeflow.io.fs import fsync_dir, make_readable, rename_noreplace
 from mergeflow.io.jsonfiles import write_json_durable
 from mergeflow.io.session import sha256_file
@@ -29,9 +30,11 @@ from mergeflow.records import (
     FileRecord,
     MergePlan,
     OutputPlan,
+    SealRecord,
     ShardRecord,
     ValidationReport,
 )
+from mergeflow.signing import sign_artifact
 from mergeflow.sources.registry import source_named
 
 LAYERS_PASSED = {"structure": "passed", "source_round_trip": "passed", "artifact_round_trip": "passed",
@@ -123,14 +126,35 @@ def finalize_staging(plan: MergePlan, output: OutputPlan, rank_digests: dict[str
     return manifest
 
 
-def publish_staged(plan: MergePlan, report: ValidationReport) -> dict[str, str]:
+def seal_staged(plan: MergePlan, report: ValidationReport) -> SealRecord:
+    """After validation, the last writes into staging: the manifest's pin, then (with a key) the signature.
+
+    The pin names the digest validation proved; the signature, written last, covers every file, manifest
+    and pin included. Both are rewritten on every run, so a resumed staging is sealed like a fresh one
+    (an ECDSA signature differs at each signing; what it signs does not).
+    """
+    artifact = Path(plan.output.artifact_dir)
+    home = artifact / PurePosixPath(manifest_relpath(artifact)).parent  # beside the manifest: lora_adapter/ alone
+    (home / SIGNATURE_NAME).unlink(missing_ok=True)  # an earlier attempt's: re-signed below, or not at all
+    if sha256_file(home / MANIFEST_NAME) != report.manifest_sha256:
+        raise ArtifactInvalidError("the staged manifest changed after validation; nothing was published")
+    write_pin(home, report.manifest_sha256)
+    signed_by = None
+    if plan.options.sign_key:
+        work = Path(plan.output.work_dir)
+        work.mkdir(parents=True, exist_ok=True)
+        signed_by = sign_artifact(home, plan.options.sign_key, Path(plan.output.target).name, work)
+    return SealRecord(manifest_sha256=report.manifest_sha256, signed_by=signed_by)
+
+
+def publish_staged(plan: MergePlan, report: ValidationReport, seal: SealRecord) -> dict[str, str]:
     """Final self-check, normal permissions, then rename into place without ever replacing."""
     artifact = Path(plan.output.artifact_dir)
     target = Path(plan.output.target)
     manifest_rel = manifest_relpath(artifact)
-    if sha256_file(artifact / manifest_rel) != report.manifest_sha256:
+    if sha256_file(artifact / manifest_rel) != report.manifest_sha256 or seal.manifest_sha256 != report.manifest_sha256:
         raise ArtifactInvalidError("the staged manifest changed after validation; nothing was published")
-    if len(list_tree(artifact)) != report.files_checked:
+    if len(list_tree(artifact)) != report.files_checked + seal.files_added:
         raise ArtifactInvalidError("the staged tree changed after validation; nothing was published")
     make_readable(artifact)
     rename_noreplace(artifact, target)

@@ -32,6 +32,7 @@ from mergeflow.errors import (
     UploadVerificationError,
 )
 from mergeflow.formats.manifest import MANIFEST_NAME
+from mergeflow.formats.seal import SEAL_NAMES
 from mergeflow.hub.retry import call_with_retries
 from mergeflow.io.jsonfiles import read_json_strict
 from mergeflow.io.paths import check_relative_name
@@ -114,6 +115,12 @@ def read_artifact_files(artifact_dir: Path) -> ArtifactFiles:
             )
         expected[rel] = (digest, local.stat().st_size)
     expected[MANIFEST_NAME] = (sha256_file(manifest_path), manifest_path.stat().st_size)
+    for name in SEAL_NAMES:  # the manifest's pin and the signature: unlisted (they cover the manifest), uploaded too
+        local = root / name
+        if local.is_symlink() or (local.exists() and not local.is_file()):
+            raise UploadError(f"Cannot upload {root}: {name} is not a regular file; check the artifact with `mergeflow test`.")
+        if local.is_file():
+            expected[name] = (sha256_file(local), local.stat().st_size)
     architecture = manifest.get("architecture")
     title = f"Upload mergeflow artifact ({architecture})" if isinstance(architecture, str) else "Upload mergeflow artifact"
     return ArtifactFiles(root=root, expected=expected, commit_title=title)

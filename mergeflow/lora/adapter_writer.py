@@ -16,6 +16,7 @@ from mergeflow.formats.manifest import (
     fingerprint,
 )
 from mergeflow.formats.safetensors_format import nbytes
+from mergeflow.formats.seal import PIN_NAME, pin_text, write_pin
 from mergeflow.io.jsonfiles import write_bytes_durable, write_json_durable
 from mergeflow.io.session import sha256_file
 from mergeflow.lora.artifact import ADAPTER_DIR
@@ -128,5 +129,9 @@ def write_adapter(plan: MergePlan, lora: LoraPlan, layouts: dict[str, TensorLayo
     data = write_json_durable(out_dir / MANIFEST_NAME, manifest.to_json(), indent=2)
     listed = [(record.file_name, record.sha256, record.size)] + [(f.rel_path, f.sha256, f.size) for f in files]
     listed.append((MANIFEST_NAME, sha256_file(out_dir / MANIFEST_NAME), len(data)))
+    # Its own pin: the directory validates as an artifact wherever it is copied (beside a model, the
+    # model's manifest lists it; alone, it is the artifact and the seal step writes the same pin again).
+    write_pin(out_dir, listed[-1][1])
+    listed.append((PIN_NAME, sha256_file(out_dir / PIN_NAME), len(pin_text(listed[-1][1]))))
     rooted = tuple(FileRecord(f"{ADAPTER_DIR}/{name}", digest, size, "written") for name, digest, size in listed)
     return AdapterExport(files=rooted, manifest=manifest, shard=record)

@@ -58,6 +58,7 @@ class BackfillSettings:
     quantize: Quantize = DEFAULT_QUANTIZE
     extract_lora: int | None = None  # --extract-lora: each step published as a LoRA of (trained - base)
     extract_energy: float | None = None
+    sign_key: str | None = None  # --sign-key: each step signed before it is published (None: MERGEFLOW_SIGN_KEY)
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,7 @@ def _one_step(settings: BackfillSettings, step: int, actor_dir: Path, target: Pa
                                quantize=settings.quantize,
                                allow_unchanged=settings.allow_unchanged, max_shard_size=settings.max_shard_size,
                                workers=settings.workers, extract_lora=settings.extract_lora,
-                               extract_energy=settings.extract_energy)
+                               extract_energy=settings.extract_energy, sign_key=settings.sign_key)
     merge(config)  # a failure propagates: the steps after it wait for a rerun, which resumes this one
     return StepResult(step, "done", str(target), "resumed" if resumed else "")
 

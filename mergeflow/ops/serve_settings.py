@@ -64,6 +64,7 @@ class ServeSettings:
     quantize: Quantize = DEFAULT_QUANTIZE
     extract_lora: int | None = None  # --extract-lora: every triggered export is a LoRA of (trained - base)
     extract_energy: float | None = None
+    sign_key: str | None = None  # --sign-key: every triggered export is signed before it is published
 
     def checked(self) -> ServeSettings:
         """Absolute paths, known choices; refuse what every triggered run would fail on."""
@@ -91,6 +92,12 @@ class ServeSettings:
         from mergeflow.lora.extract_spec import check_settings
 
         check_settings(self.extract_lora, self.extract_energy)
+        sign_key = None
+        if self.sign_key:  # a wrong key is refused at serve time, not in every triggered run
+            from mergeflow.signing import load_signing_key
+
+            load_signing_key(self.sign_key)
+            sign_key = str(Path(self.sign_key).expanduser().resolve())
         # Every base an event may merge onto must fit the output format, as merge checks its one base.
         check_base_fits(ModelMergerConfig(base_model=str(base), output_format=self.output_format, quantize=self.quantize), base)
         for other in allowed:
@@ -100,7 +107,8 @@ class ServeSettings:
             except MergeflowError as exc:
                 raise type(exc)(f"--allow-base-model {other}: {exc}") from None
         return ServeSettings(**{**asdict(self), "base_model": str(base), "target_root": str(root),
-                                "checkpoint_roots": checkpoint_roots, "allowed_base_models": allowed})
+                                "checkpoint_roots": checkpoint_roots, "allowed_base_models": allowed,
+                                "sign_key": sign_key})
 
     def parameters(self) -> JsonObject:
         """The merge deployment's default parameters (the trigger adds `checkpoint`)."""
@@ -113,7 +121,7 @@ class ServeSettings:
         """
         merge = self.parameters()
         keep = ("base_model", "target_root", "output_format", "dtype", "max_shard_size", "workers", "task_runner",
-                "dask_address", "checkpoint_roots", "quantize", "extract_lora", "extract_energy")
+                "dask_address", "checkpoint_roots", "quantize", "extract_lora", "extract_energy", "sign_key")
         return {k: merge[k] for k in keep}
 
 

@@ -12,10 +12,18 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Literal, TypedDict
+from typing import TYPE_CHECKING, Literal, NotRequired, TypedDict
 
 from mergeflow.errors import ArtifactInvalidError
 from mergeflow.formats.manifest import MANIFEST_NAME, ManifestDocument, check_manifest
+from mergeflow.formats.seal import (
+    PIN_NAME,
+    SEAL_NAMES,
+    SIGNATURE_NAME,
+    check_pin,
+    check_signed_files,
+    read_signed_statement,
+)
 from mergeflow.io.fs import FileStamp
 from mergeflow.io.jsonfiles import (
     JsonObject,
@@ -65,6 +73,7 @@ class IntegrityResult(TypedDict):
 
     integrity: Literal["passed"]
     architecture: str
+    signature: NotRequired[str]  # with --verify-key: "verified by <key fingerprint>"
 
 
 def _tree_sizes(root: Path, folders: set[str] | None = None) -> dict[str, int]:
@@ -97,16 +106,20 @@ def list_tree(root: Path) -> list[str]:
     return sorted(_tree_sizes(root))
 
 
-def check_tree_and_hashes(root: Path, files: dict[str, str], *, verified: Mapping[str, VerifiedFile] | None = None) -> None:
-    """The file tree equals the manifest's list exactly and every sha256 matches.
+def check_tree_and_hashes(root: Path, files: dict[str, str], *, verified: Mapping[str, VerifiedFile] | None = None,
+                          sealed: bool = False) -> dict[str, str]:
+    """The file tree equals the manifest's list exactly and every sha256 matches; returns the digests.
 
     `verified` (staged exports only) names files whose digest this export proved from their
     bytes: such a file is taken as read while its stamp is unchanged since; every other file,
-    and every file of a published artifact, is hashed here.
+    and every file of a published artifact, is hashed here. The manifest's pin lies beside it, unlisted;
+    `sealed`: root is the artifact's top, where its signature lies too (mergeflow/formats/seal.py).
     """
     folders: set[str] = set()
     sizes = _tree_sizes(root, folders)
     sizes.pop(MANIFEST_NAME, None)
+    for name in SEAL_NAMES if sealed else (PIN_NAME,):
+        sizes.pop(name, None)
     present, listed = set(sizes), set(files)
     if present - listed:
         raise ArtifactInvalidError(f"{sorted(present - listed)[0]} is in the artifact but not in the manifest")
@@ -120,6 +133,7 @@ def check_tree_and_hashes(root: Path, files: dict[str, str], *, verified: Mappin
     for name in sorted(listed):
         if digests[name] != files[name]:
             raise ArtifactInvalidError(f"{name} does not match its sha256 in the manifest: the file was changed or damaged")
+    return digests
 
 
 def _hash_files(root: Path, sizes: dict[str, int]) -> dict[str, str]:
@@ -166,26 +180,72 @@ def read_canonical_manifest(path: Path) -> JsonObject:
     return data
 
 
-def validate_artifact_dir(root: Path, verified: Mapping[str, VerifiedFile] | None = None) -> ArtifactSummary:
-    """Everything `test` checks, without the source checkpoint (`verified`: see check_tree_and_hashes)."""
+def validate_artifact_dir(root: Path, verified: Mapping[str, VerifiedFile] | None = None, *,
+                          top: bool = True, published: bool | None = None) -> ArtifactSummary:
+    """Everything `test` checks, without the source checkpoint (`verified`: see check_tree_and_hashes).
+
+    `top`: root holds the artifact's own manifest (not an adapter nested in a model export, whose
+    manifest the outer one lists), so its pin is checked, and its signature's statement when signed.
+    `published`: the pin is required (default: unless root is the artifact inside a staging dir).
+    """
     if not root.is_dir():
         raise ArtifactInvalidError(f"{root} is not a directory")
+    if published is None:
+        published = not is_staging_dir(root.parent)
     adapter_only = adapter_only_root(root)
     if adapter_only is not None:
-        return validate_artifact_dir(adapter_only, _below(verified, adapter_only.relative_to(root).as_posix()))
+        return validate_artifact_dir(adapter_only, _below(verified, adapter_only.relative_to(root).as_posix()), top=top,
+                                     published=published)
     manifest_path = root / MANIFEST_NAME
     if manifest_path.is_symlink() or not manifest_path.is_file():
         raise ArtifactInvalidError(f"{root.name} has no {MANIFEST_NAME}; is it a mergeflow artifact?")
     manifest = check_manifest(read_canonical_manifest(manifest_path), artifact_types())
-    check_tree_and_hashes(root, manifest["files"], verified=verified)
+    digests = check_tree_and_hashes(root, manifest["files"], verified=verified, sealed=top)
     output = output_for_manifest(manifest)  # the kind of artifact: its own configs and weights are checked
     output.check_configs(root, manifest)
     count = output.check_weights(root, manifest)
     if ADAPTER_MANIFEST in manifest["files"]:  # an exported adapter beside the model: an artifact of its own
-        inner = validate_artifact_dir(root / ADAPTER_DIR, _below(verified, ADAPTER_DIR))
+        inner = validate_artifact_dir(root / ADAPTER_DIR, _below(verified, ADAPTER_DIR), top=False)
         if output_for_manifest(inner.manifest).nested_dir != ADAPTER_DIR:
             raise ArtifactInvalidError(f"{ADAPTER_DIR}/ holds an artifact that is not a peft_adapter")
+    if top:  # last: every check above names the defect itself; these catch an edit that passes them all
+        check_seal(root, digests, published=published)
+    else:  # an adapter beside a model: the model's manifest lists its pin, checked here against its manifest
+        check_pin(root, sha256_file(manifest_path), required=False)
     return ArtifactSummary(manifest["architecture"], manifest["artifact_type"], len(manifest["files"]) + 1, count, manifest)
+
+
+def check_seal(home: Path, digests: dict[str, str], *, published: bool) -> str | None:
+    """The pin names the manifest's digest (required once published); a signature's statement covers exactly
+    these files, manifest and pin included. Returns the signing key's fingerprint, None when unsigned.
+
+    This reads the signature's statement, not its cryptographic signature: without the public key it
+    catches an edit that left model.sig alone; `--verify-key` (mergeflow/signing.py) checks the signature.
+    """
+    manifest_sha256 = sha256_file(home / MANIFEST_NAME)
+    check_pin(home, manifest_sha256, required=published)
+    signature = home / SIGNATURE_NAME
+    # In staging, a signature is an earlier attempt's, which the seal step replaces: not this export's yet.
+    if not published or not (signature.exists() or signature.is_symlink()):
+        return None
+    statement = read_signed_statement(signature)
+    covered = {**digests, MANIFEST_NAME: manifest_sha256}
+    if (home / PIN_NAME).is_file():
+        covered[PIN_NAME] = sha256_file(home / PIN_NAME)
+    for name in statement.ignored:
+        if name != SIGNATURE_NAME and name not in GIT_PATHS:
+            raise ArtifactInvalidError(f"{SIGNATURE_NAME} leaves {name} out of the signature; mergeflow signs every file")
+    check_signed_files(statement, {n: d for n, d in covered.items() if not _ignored_by_signing(n)})
+    return statement.key_fingerprint
+
+
+# What model_signing leaves out of every signature by default (its verifier does too): the artifact
+# still lists such a file in the manifest, so `test` checks it there.
+GIT_PATHS = (".git", ".gitattributes", ".github", ".gitignore")
+
+
+def _ignored_by_signing(name: str) -> bool:
+    return any(name == p or name.startswith(f"{p}/") for p in GIT_PATHS)
 
 
 def _below(verified: Mapping[str, VerifiedFile] | None, prefix: str) -> dict[str, VerifiedFile] | None:
@@ -209,7 +269,21 @@ def artifact_to_check(test_hf_dir: str | Path) -> Path:
     return root
 
 
-def check_artifact(test_hf_dir: str | Path) -> IntegrityResult:
-    """`mergeflow test`: every check above on the artifact at test_hf_dir, as the one-line JSON result."""
-    summary = validate_artifact_dir(artifact_to_check(test_hf_dir))
-    return {"integrity": "passed", "architecture": summary.architecture}
+def check_artifact(test_hf_dir: str | Path, verify_key: str | Path | None = None) -> IntegrityResult:
+    """`mergeflow test`: every check above on the artifact at test_hf_dir, as the one-line JSON result.
+
+    `verify_key`: an elliptic-curve public key (PEM); the artifact must carry model.sig signed by its
+    private key, and the OMS verifier must accept every file (mergeflow/signing.py).
+    """
+    root = artifact_to_check(test_hf_dir)
+    if verify_key is not None:  # the key first: a bad key is a refusal of the flag, before any hashing
+        from mergeflow.signing import load_verify_key
+
+        load_verify_key(verify_key)
+    summary = validate_artifact_dir(root)
+    result: IntegrityResult = {"integrity": "passed", "architecture": summary.architecture}
+    if verify_key is not None:
+        from mergeflow.signing import verify_artifact
+
+        result["signature"] = verify_artifact(root, verify_key)
+    return result

@@ -54,7 +54,8 @@ from mergeflow.sources.registry import (
 
 # Options that do not change a byte of the artifact stay out of the fingerprint, so changing
 # them keeps a half-done export resumable.
-_NOT_FINGERPRINTED = ("workers", "hf_upload_path", "private", "allow_unchanged")
+# The signing key too: the signature is added after validation, at every run (mergeflow/export/publish.py).
+_NOT_FINGERPRINTED = ("workers", "hf_upload_path", "private", "allow_unchanged", "sign_key")
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,8 @@ def build_plan(config: ModelMergerConfig) -> MergePlan:
     schema = decided.schema
     return MergePlan(
         options=ExportOptions(dtype=config.dtype, max_shard_size=config.max_shard_size,  # type: ignore[arg-type]
-                              trust_checkpoint=config.trust_checkpoint, workers=config.workers),
+                              trust_checkpoint=config.trust_checkpoint, workers=config.workers,
+                              sign_key=str(Path(config.sign_key).expanduser().resolve()) if config.sign_key else None),
         checkpoint=CheckpointInputs(actor_dir=str(actor), config_dir=str(model_config.path.parent),
                                     world_size=checkpoint.world_size, fsdp_version=checkpoint.fsdp_version,
                                     rank_files=checkpoint.files, config_sha256=sha256_file(model_config.path),

@@ -41,6 +41,10 @@ def preflight_merge(config: ModelMergerConfig) -> list[Path]:
 
 def _stage_one(config: ModelMergerConfig) -> list[Path]:
     config.validate()
+    if config.sign_key:  # a wrong key is refused now, not after the export was written
+        from mergeflow.signing import load_signing_key
+
+        load_signing_key(config.sign_key)
     actor = Path(config.local_dir or "").expanduser().resolve()
     require_local_dir(actor)
     check_target_parent(Path(config.target_dir or ""))  # else the flow's first write says it, after a server start
