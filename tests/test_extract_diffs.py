@@ -127,6 +127,10 @@ def test_wan_diffs_reproduce_the_trained_checkpoint_in_comfyui_and_the_biases_in
     without = run_tiny_forward(pipe.transformer.eval())  # type: ignore[attr-defined]
     assert max(float((a - b).abs().max()) for a, b in zip(without, got, strict=True)) > 1e-3
     assert validate_artifact(adapter_dir)["integrity"] == "passed"
+    manifest = json.loads((adapter_dir / "merge_manifest.json").read_text())  # the entries are the file's tensors
+    for entry in record["diffs"]:
+        assert manifest["tensors"][entry["key"]] == {"dtype": entry["dtype"], "shape": entry["shape"]}
+    assert EXTRACTION_NAME in manifest["files"]  # the record (with each entry's sha256) is hashed by the manifest
     # the UI lists every changed tensor and its entry
     from prefect_runs import latest_flow_run
     from test_ui import _artifact
@@ -176,19 +180,58 @@ def test_flux_fused_biases_and_norm_scales_reproduce_the_trained_checkpoint_in_c
     assert validate_artifact(adapter_dir)["integrity"] == "passed"
 
 
-def test_where_diffusers_would_refuse_the_file_the_diffs_are_left_out_and_listed(tmp_path: Path, prefect_api: object) -> None:
-    from test_comfyui_lora import pipeline_with
+# The Diffusers loader that would refuse a file with `.diff` keys, as the record names it.
+REFUSED = {
+    "QwenImageTransformer2DModel": "_convert_non_diffusers_qwen_lora_to_diffusers",
+    "LTX2VideoTransformer3DModel": "LTX2LoraLoaderMixin",
+    "SD3Transformer2DModel": "SD3LoraLoaderMixin",
+    "MiniMaxH3Transformer3DModel": "_convert_non_diffusers_minimax_h3_lora_to_diffusers",
+}
 
-    base, _, base_dir, actor_dir, other = fine_tuned(tmp_path, "QwenImageTransformer2DModel")
+
+@pytest.mark.parametrize("class_name", sorted(REFUSED))
+def test_where_diffusers_would_refuse_the_file_the_diffs_are_left_out_and_listed(
+    tmp_path: Path, prefect_api: object, class_name: str
+) -> None:
+    from test_comfyui_lora import CASES
+
+    _, _, base_dir, actor_dir, other = fine_tuned(tmp_path, class_name)
     adapter_dir = export_comfyui(actor_dir, base_dir, tmp_path / "out")
     record = json.loads((adapter_dir / EXTRACTION_NAME).read_text())
-    assert record["diffs"] == [] and {i["name"] for i in record["not_extracted"]} == other
-    assert all(i["written_as"] is None and "qwen" in i["reason"] for i in record["not_extracted"])
+    loader = REFUSED[class_name]
+    listed = {i["name"]: i for i in record["not_extracted"]}
+    assert record["diffs"] == [] and other <= set(listed)
+    assert all(listed[n]["written_as"] is None and loader in listed[n]["reason"] for n in other)
     assert record["summary"]["not_extracted_delta_norm"] > 0
     assert not any(is_diff_key(k) for k in load_file(adapter_dir / WEIGHTS))
-    pipe = pipeline_with("QwenImagePipeline", copy.deepcopy(base))
-    pipe.load_lora_weights(str(adapter_dir), weight_name=WEIGHTS, adapter_name="x")  # type: ignore[attr-defined]
     assert validate_artifact(adapter_dir)["integrity"] == "passed"
-    peft = Path(merge_model(config(actor_dir, base_dir, tmp_path / "peft", extract_lora=RANK)).output_dir) / "lora_adapter"
-    record = json.loads((peft / EXTRACTION_NAME).read_text())
-    assert record["diffs"] == [] and all(i["reason"] == NOT_COMFYUI.format(fmt="peft") for i in record["not_extracted"])
+    if class_name == "QwenImageTransformer2DModel":  # the whole file, as Diffusers reads it, still loads
+        from test_comfyui_lora import pipeline_with
+
+        pipe = pipeline_with(CASES[class_name][1], build_transformer(class_name, seed=0))
+        pipe.load_lora_weights(str(adapter_dir), weight_name=WEIGHTS, adapter_name="x")  # type: ignore[attr-defined]
+        peft = Path(merge_model(config(actor_dir, base_dir, tmp_path / "peft", extract_lora=RANK)).output_dir)
+        record = json.loads((peft / "lora_adapter" / EXTRACTION_NAME).read_text())
+        assert record["diffs"] == [] and all(i["reason"] == NOT_COMFYUI.format(fmt="peft") for i in record["not_extracted"])
+
+
+def test_diffs_are_stored_in_the_output_dtype_and_their_rounding_recorded(tmp_path: Path, prefect_api: object) -> None:
+    base, actor, base_dir, actor_dir, _ = fine_tuned(tmp_path, "WanTransformer3DModel")
+    cfg = config(actor_dir, base_dir, tmp_path / "out", extract_lora=RANK, adapter_format="comfyui", dtype="bfloat16")
+    adapter_dir = Path(merge_model(cfg).output_dir) / "lora_adapter"
+    record = json.loads((adapter_dir / EXTRACTION_NAME).read_text())
+    weights = load_file(adapter_dir / WEIGHTS)
+    trained, original = actor.state_dict(), base.state_dict()
+    assert weights["diffusion_model.blocks.0.self_attn.q.lora_down.weight"].dtype == torch.bfloat16
+    by_key = {d["key"]: d for d in record["diffs"]}
+    # Wan keeps its norms and modulation tables in float32 (_keep_in_fp32_modules): so do their diffs
+    expected = {"diffusion_model.blocks.0.self_attn.q.diff_b": ("blocks.0.attn1.to_q.bias", torch.bfloat16),
+                "diffusion_model.blocks.0.norm3.diff": ("blocks.0.norm2.weight", torch.float32),
+                "diffusion_model.blocks.0.modulation.diff": ("blocks.0.scale_shift_table", torch.float32)}
+    for key, (source, dtype) in expected.items():
+        exact = trained[source].float() - original[source].float()
+        assert weights[key].dtype == dtype and by_key[key]["dtype"] == str(dtype).removeprefix("torch.")
+        assert torch.equal(weights[key], exact.to(dtype).reshape(weights[key].shape))
+        assert by_key[key]["max_abs_rounding"] == float((exact.to(dtype).float() - exact).abs().max())
+    assert by_key["diffusion_model.blocks.0.self_attn.q.diff_b"]["max_abs_rounding"] > 0
+    assert validate_artifact(adapter_dir)["integrity"] == "passed"
