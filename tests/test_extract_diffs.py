@@ -48,11 +48,16 @@ def full_finetune_(model: torch.nn.Module, seed: int = 5) -> set[str]:
     return other
 
 
-def fine_tuned(root: Path, class_name: str):  # type: ignore[no-untyped-def]
+def fine_tuned(root: Path, class_name: str, unchanged: tuple[str, ...] = ()):  # type: ignore[no-untyped-def]
+    """The base, its full fine-tune (tensors in `unchanged` kept as the base's) and their directories."""
     base = build_transformer(class_name, seed=0)
     base_dir = save_base_transformer(base, root / "base")
     actor = copy.deepcopy(base)
     other = full_finetune_(actor)
+    with torch.no_grad():
+        for name in unchanged:
+            actor.get_parameter(name).copy_(base.get_parameter(name))
+    other -= set(unchanged)
     actor_dir = save_fsdp_checkpoint(actor, root / "ckpt" / "global_step_1" / "actor", 2)
     return base, actor, base_dir, actor_dir, other
 
@@ -154,13 +159,17 @@ def test_flux_fused_biases_and_norm_scales_reproduce_the_trained_checkpoint_in_c
 ) -> None:
     from test_comfyui_lora import pipeline_with
 
-    base, actor, base_dir, actor_dir, other = fine_tuned(tmp_path, "FluxTransformer2DModel")
+    # to_k's bias unchanged: its rows of the fused qkv bias diff are zeros
+    base, actor, base_dir, actor_dir, other = fine_tuned(tmp_path, "FluxTransformer2DModel",
+                                                         unchanged=("transformer_blocks.0.attn.to_k.bias",))
     adapter_dir = export_comfyui(actor_dir, base_dir, tmp_path / "out")
     record = json.loads((adapter_dir / EXTRACTION_NAME).read_text())
     weights = load_file(adapter_dir / WEIGHTS)
     assert all(item["written_as"] for item in record["not_extracted"]) and {i["name"] for i in record["not_extracted"]} == other
     qkv = next(d for d in record["diffs"] if d["key"] == "lora_unet_double_blocks_0_img_attn_qkv.diff_b")
     assert qkv["op"] == "cat" and qkv["sources"] == [f"transformer_blocks.0.attn.to_{p}.bias" for p in "qkv"]
+    rows = weights[qkv["key"]].chunk(3)
+    assert torch.count_nonzero(rows[1]) == 0 and torch.count_nonzero(rows[0]) > 0
     assert "diffusion_model.double_blocks.0.img_attn.norm.query_norm.scale.diff" in weights  # no lora_unet_ name
     final = next(d for d in record["diffs"] if d["key"] == "lora_unet_final_layer_adaLN_modulation_1.diff_b")
     assert final["op"] == "swap_halves"
@@ -235,3 +244,24 @@ def test_diffs_are_stored_in_the_output_dtype_and_their_rounding_recorded(tmp_pa
         assert by_key[key]["max_abs_rounding"] == float((exact.to(dtype).float() - exact).abs().max())
     assert by_key["diffusion_model.blocks.0.self_attn.q.diff_b"]["max_abs_rounding"] > 0
     assert validate_artifact(adapter_dir)["integrity"] == "passed"
+
+
+def test_a_changed_bias_of_a_linear_without_a_lora_is_left_out_and_a_fused_bias_takes_zero_rows() -> None:
+    from mergeflow.architectures.flux_lora import LORA_NAMING as FLUX
+    from mergeflow.architectures.wan_lora import LORA_NAMING as WAN
+    from mergeflow.lora.diffs import NO_LORA_BIAS, plan_diffs
+
+    for class_name, naming, changed, lora in (
+        ("WanTransformer3DModel", WAN, "blocks.0.attn1.to_q.bias", []),
+        ("FluxTransformer2DModel", FLUX, "transformer_blocks.0.attn.to_k.bias", ["transformer_blocks.0.ff.net.2"]),
+    ):
+        model = build_transformer(class_name, seed=0)
+        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        linear = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        entries, left = plan_diffs(class_name, dict(model.config), shapes, [changed], linear, naming.plan(lora))
+        assert entries == [] and left == {changed: NO_LORA_BIAS}
+    # only to_k's bias changed, the fused qkv LoRA'd: one entry over all three parts (the others zero rows)
+    entries, left = plan_diffs("FluxTransformer2DModel", dict(model.config), shapes, ["transformer_blocks.0.attn.to_k.bias"],
+                               linear, FLUX.plan(["transformer_blocks.0.attn.to_q"]))
+    assert left == {} and [(e.key, e.op, len(e.sources)) for e in entries] == [
+        ("lora_unet_double_blocks_0_img_attn_qkv.diff_b", "cat", 3)]
