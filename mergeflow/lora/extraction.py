@@ -53,7 +53,6 @@ WORK_DIR = "extract"
 NOT_LINEAR = "not a linear weight: no LoRA can carry it"
 NO_PLACE = "a linear weight the adapter format's naming has no place for"
 WRITTEN = "not a linear weight: written as a ComfyUI .diff / .diff_b entry"
-COMFYUI = "comfyui"
 
 
 def _carried(plan: MergePlan, modules: list[str]) -> set[str]:
@@ -165,6 +164,7 @@ def run_extraction(plan: MergePlan, layouts: dict[str, TensorLayout],
         raise SchemaMismatchError(f"no tensor of the checkpoint is a linear weight of {plan.output.transformer_class} "
                                   "by its Diffusers module name; extract against a base in the Diffusers layout")
     carried = _carried(plan, sorted(n.removesuffix(".weight") for n in linear))
+    output = adapter_output(spec.adapter_format)
     work = Path(plan.output.work_dir) / WORK_DIR
     work.mkdir(parents=True, exist_ok=True)
     states = open_pieces(plan.checkpoint, trust_checkpoint=plan.options.trust_checkpoint)
@@ -194,7 +194,7 @@ def run_extraction(plan: MergePlan, layouts: dict[str, TensorLayout],
             other.append({"name": tw.name, "shape": list(delta.shape), "delta_norm": float(torch.linalg.norm(delta)),
                           "base_norm": float(torch.linalg.norm(base.to(torch.float32))), "reason": why,
                           "written_as": None})
-            if why == NOT_LINEAR and spec.adapter_format == COMFYUI:
+            if why == NOT_LINEAR and output.carries_diffs():
                 path = work / f"diff-{len(diffs):05d}.safetensors"
                 save_file({"diff": delta.contiguous()}, str(path), metadata={"format": "pt"})
                 diffs[tw.name] = (str(path), tw.out_dtype)
@@ -213,7 +213,7 @@ def run_extraction(plan: MergePlan, layouts: dict[str, TensorLayout],
         raise LoraError("no linear weight of the checkpoint differs from the base: there is nothing to extract")
     entries: list[dict[str, Any]] = []
     diff_keys: dict[str, str] = {}
-    if spec.adapter_format == COMFYUI:
+    if output.carries_diffs():
         entries = _write_diffs(plan, layers, other, linear, diffs, work, factor_layouts, files, diff_keys)
     else:
         for item in other:

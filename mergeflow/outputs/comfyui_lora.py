@@ -87,6 +87,9 @@ class ComfyuiLora(AdapterOutput):
             writes.append(TensorWrite(key, layouts[source].key, layouts[source], layouts[source].dtype))
         return sorted(writes, key=lambda w: w.name)
 
+    def carries_diffs(self) -> bool:
+        return True  # ComfyUI's load_lora reads `<x>.diff` / `<x>.diff_b` (where the naming accepts them)
+
     def carried_modules(self, transformer_class: str, modules: list[str]) -> set[str]:
         # A full fine-tune also trains modules the naming has no key for (Flux's embedders): an extraction
         # lists those rather than refusing the whole adapter.
