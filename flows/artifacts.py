@@ -194,6 +194,7 @@ def publish_extraction_artifact(output_dir: Path, label: str) -> None:
     from mergeflow.io.jsonfiles import read_json_strict
     from mergeflow.lora.extract_spec import (
         EXTRACTION_NAME,
+        extraction_diff_rows,
         extraction_rows,
         extraction_words,
     )
@@ -201,6 +202,11 @@ def publish_extraction_artifact(output_dir: Path, label: str) -> None:
     record = read_json_strict(output_dir / ADAPTER_DIR / EXTRACTION_NAME, ArtifactInvalidError, EXTRACTION_NAME)
     create_table_artifact(table=extraction_rows(record), key=artifact_key("merge-extraction", label),
                           description=extraction_words(record))
+    diff_rows = extraction_diff_rows(record)
+    if diff_rows:  # the changed tensors no LoRA carries: which went to .diff entries, which were left out and why
+        create_table_artifact(table=diff_rows, key=artifact_key("merge-extraction-diffs", label),
+                              description="Changed tensors that are not LoRA'd linear weights: the norm of each "
+                                          "change and the .diff / .diff_b entry written for it (or why none)")
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -17,6 +17,13 @@ BFL's final modulation holds (shift, scale) where Diffusers' `norm_out.linear` h
 shift): its up's row halves are exchanged, which Diffusers' `swap_scale_shift` undoes on load.
 Diffusers' converter names these modules without `transformer.`, so its `load_lora_weights` leaves
 them out (only the in-block modules load there); ComfyUI applies them all.
+
+An extraction's changed biases and norms are written as ComfyUI's `.diff_b` / `.diff` entries
+(mergeflow.lora.diffs): `<stem>.diff_b` for the bias of a LoRA'd module (a fused module's bias diff
+is its parts' diffs stacked), `diffusion_model.<BFL key>.diff` for the others (the RMSNorms' `.scale`
+has no `lora_unet_` name). Diffusers' kohya converter filters both out with an info log
+(lora_conversion_utils.py: `diff_b` keys and norm `.diff` keys "currently unsupported"), so
+load_lora_weights still reads the file's LoRA; ComfyUI applies them.
 """
 
 from __future__ import annotations

@@ -77,4 +77,6 @@ LORA_NAMING = LoraNaming(
     down="lora_A.weight",
     up="lora_B.weight",
     plan=plan,
+    diff_refusal=("LTX2LoraLoaderMixin.lora_state_dict refuses a file with a key lacking 'lora' "
+                  "(`Invalid LoRA checkpoint`): a .diff entry would stop load_lora_weights reading the file"),
 )

@@ -45,9 +45,17 @@ class LoraNaming:
     up: str  # key suffix of the up (B) matrix
     # The adapted Diffusers modules -> the file's modules; a module it cannot name raises LoraError.
     plan: Callable[[Sequence[str]], list[LoraModule]]
+    # `.diff` / `.diff_b` entries (an extraction's changed norms, biases...): None where they are written,
+    # else why not (the loader of this naming that would refuse a file holding them).
+    diff_refusal: str | None = None
 
 
 ALPHA_SUFFIX = "alpha"
+DIFF_SUFFIX = "diff"  # ComfyUI's load_lora: `<x>.diff` is added to the weight key_map[x] names
+DIFF_BIAS_SUFFIX = "diff_b"  # ... and `<x>.diff_b` to that weight's `.bias`
+# ComfyUI's generic key map (comfy/lora.py model_lora_keys_unet): every model tensor `diffusion_model.<key>`
+# is reachable as `diffusion_model.<key minus .weight>` (a weight) or `diffusion_model.<key>` (anything else).
+COMFY_MODEL_PREFIX = "diffusion_model."
 
 # Transformer class -> the module (under mergeflow.architectures) whose LORA_NAMING is its naming.
 _NAMING_MODULES: dict[str, str] = {

@@ -27,4 +27,6 @@ LORA_NAMING = LoraNaming(
     down="lora_down.weight",
     up="lora_up.weight",
     plan=plan,
+    diff_refusal=("Diffusers' _convert_non_diffusers_qwen_lora_to_diffusers raises on any key it leaves "
+                  "(`state_dict should be empty`): a .diff entry would stop load_lora_weights reading the file"),
 )

@@ -8,6 +8,11 @@ embedders, the image embedder, head) a remaining `.alpha` is an error, so their 
 the up and no alpha is written (ComfyUI then takes scale 1 as well).
 
 Refused: `patch_embedding` (a Conv3d no converter maps).
+
+An extraction's changed biases and other tensors are written as ComfyUI's `.diff_b` / `.diff` entries
+(mergeflow.lora.diffs). Diffusers' converter reads `<module>.diff_b` as the module's `lora_B.bias`
+(PEFT's lora_bias) for every module this naming writes, and drops norm diffs and the remaining `.diff`
+keys with a log line; ComfyUI applies all of them (the norms, `modulation`, `patch_embedding` too).
 """
 
 from __future__ import annotations

@@ -49,6 +49,18 @@ def extraction_rows(record: dict[str, object]) -> list[dict[str, object]]:
     return rows
 
 
+def extraction_diff_rows(record: dict[str, object]) -> list[dict[str, object]]:
+    """The UI table of the changed tensors no LoRA carries: the norm of each change, the `.diff` entry it went to
+    (or why none), largest change first (the record's order)."""
+    items = record.get("not_extracted")
+    rows: list[dict[str, object]] = []
+    for item in items if isinstance(items, list) else []:
+        rows.append({"tensor": item["name"], "shape": "x".join(map(str, item["shape"])),
+                     "delta_norm": f"{item['delta_norm']:.3e}", "written_as": item.get("written_as") or "",
+                     "reason": item["reason"]})
+    return rows
+
+
 def extraction_words(record: dict[str, object]) -> str:
     """One line for the table's description: the overall figures."""
     summary = record.get("summary")
@@ -56,4 +68,5 @@ def extraction_words(record: dict[str, object]) -> str:
         return "LoRA extraction"
     return (f"LoRA extraction: {summary['layers']} layers, energy-weighted retained {summary['energy_weighted_retained']:.6f} "
             f"(worst {summary['min_retained']:.6f}), adapter {summary['adapter_file_bytes']} bytes = "
-            f"{summary['size_ratio']:.4%} of the full model's {summary['full_model_bytes']}; worst layers first")
+            f"{summary['size_ratio']:.4%} of the full model's {summary['full_model_bytes']}; "
+            f"{summary.get('diff_entries', 0)} .diff entries; worst layers first")

@@ -9,7 +9,10 @@ adapter outputs (PEFT, Diffusers, ComfyUI) an extraction looks like a LoRA check
 `default` has r = lora_alpha = the layer's rank on every changed linear.
 
 Changed tensors that are not linear weights (norms, biases, embeddings, convs) cannot be a LoRA:
-they are listed in the record with the norm of their change, and left out of the adapter.
+they are listed in the record with the norm of their change. With `--adapter-format comfyui` they
+are also written as ComfyUI `.diff` / `.diff_b` entries where the architecture's loaders accept them
+(mergeflow.lora.diffs): each one's float32 diff goes to a work file as it is met, and the file's
+entries are composed from those once the factors are done.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from mergeflow.errors import (
 from mergeflow.export.reconstruct.rebuild import bits, plan_tensor_writes
 from mergeflow.formats.safetensors_format import torch_dtype
 from mergeflow.lora.config import AdapterSettings, peft_adapter_config
+from mergeflow.lora.diffs import NOT_COMFYUI, plan_diffs
 from mergeflow.lora.extract import ExtractSettings, LayerExtraction, extract_layer
 from mergeflow.lora.fusion import read_source, transformed_tensor
 from mergeflow.lora.keys import AdapterModuleKeys
@@ -48,6 +52,7 @@ ADAPTER_NAME = "default"
 WORK_DIR = "extract"
 NOT_LINEAR = "not a linear weight: no LoRA can carry it"
 NO_PLACE = "a linear weight the adapter format's naming has no place for"
+WRITTEN = "not a linear weight: written as a ComfyUI .diff / .diff_b entry"
 
 
 def _carried(plan: MergePlan, modules: list[str]) -> set[str]:
@@ -62,7 +67,7 @@ class Extraction:
 
     lora: LoraPlan
     layouts: dict[str, TensorLayout]  # the factors, keyed EXTRACTED_PREFIX + module + .lora_A / .lora_B
-    files: dict[str, str]  # factor layout key -> its work file
+    files: dict[str, str]  # factor (and diff entry) layout key -> its work file
     record: dict[str, Any]  # lora_extraction.json
 
 
@@ -159,6 +164,7 @@ def run_extraction(plan: MergePlan, layouts: dict[str, TensorLayout],
         raise SchemaMismatchError(f"no tensor of the checkpoint is a linear weight of {plan.output.transformer_class} "
                                   "by its Diffusers module name; extract against a base in the Diffusers layout")
     carried = _carried(plan, sorted(n.removesuffix(".weight") for n in linear))
+    output = adapter_output(spec.adapter_format)
     work = Path(plan.output.work_dir) / WORK_DIR
     work.mkdir(parents=True, exist_ok=True)
     states = open_pieces(plan.checkpoint, trust_checkpoint=plan.options.trust_checkpoint)
@@ -166,6 +172,7 @@ def run_extraction(plan: MergePlan, layouts: dict[str, TensorLayout],
     other: list[dict[str, Any]] = []
     factor_layouts: dict[str, TensorLayout] = {}
     files: dict[str, str] = {}
+    diffs: dict[str, tuple[str, str]] = {}  # changed non-linear tensor -> (its float32 diff's work file, out dtype)
     full_bytes = 0
     for done, tw in enumerate(writes, 1):
         if report is not None:
@@ -185,7 +192,12 @@ def run_extraction(plan: MergePlan, layouts: dict[str, TensorLayout],
         if tw.name not in linear or delta.dim() != 2 or module not in carried:
             why = NOT_LINEAR if tw.name not in linear or delta.dim() != 2 else NO_PLACE
             other.append({"name": tw.name, "shape": list(delta.shape), "delta_norm": float(torch.linalg.norm(delta)),
-                          "base_norm": float(torch.linalg.norm(base.to(torch.float32))), "reason": why})
+                          "base_norm": float(torch.linalg.norm(base.to(torch.float32))), "reason": why,
+                          "written_as": None})
+            if why == NOT_LINEAR and output.carries_diffs():
+                path = work / f"diff-{len(diffs):05d}.safetensors"
+                save_file({"diff": delta.contiguous()}, str(path), metadata={"format": "pt"})
+                diffs[tw.name] = (str(path), tw.out_dtype)
             continue
         # The factors take the weight's output dtype (--dtype, fp32-kept modules aside): what a trained LoRA would be.
         up, down, layer = extract_layer(module, delta, settings, torch_dtype(tw.out_dtype))
@@ -199,13 +211,73 @@ def run_extraction(plan: MergePlan, layouts: dict[str, TensorLayout],
         layers.append(layer)
     if not layers:
         raise LoraError("no linear weight of the checkpoint differs from the base: there is nothing to extract")
-    lora = _lora_plan(plan, layers)
-    adapter_bytes = sum(layout.numel * torch_dtype(layout.dtype).itemsize for layout in factor_layouts.values())
-    record = extraction_record(settings, layers, other, adapter_bytes, full_bytes)
+    entries: list[dict[str, Any]] = []
+    diff_keys: dict[str, str] = {}
+    if output.carries_diffs():
+        entries = _write_diffs(plan, layers, other, linear, diffs, work, factor_layouts, files, diff_keys)
+    else:
+        for item in other:
+            if item["reason"] == NOT_LINEAR:
+                item["reason"] = NOT_COMFYUI.format(fmt=spec.adapter_format)
+    lora = _lora_plan(plan, layers, diff_keys)
+    adapter_bytes = sum(layout.numel * torch_dtype(layout.dtype).itemsize for key, layout in factor_layouts.items()
+                        if key not in diff_keys.values())
+    record = extraction_record(settings, layers, other, adapter_bytes, full_bytes, entries)
     return Extraction(lora, factor_layouts, files, record)
 
 
-def _lora_plan(plan: MergePlan, layers: list[LayerExtraction]) -> LoraPlan:
+def _write_diffs(plan: MergePlan, layers: list[LayerExtraction], other: list[dict[str, Any]], linear: set[str],
+                 diffs: Mapping[str, tuple[str, str]], work: Path, layouts: dict[str, TensorLayout],
+                 files: dict[str, str], diff_keys: dict[str, str]) -> list[dict[str, Any]]:
+    """The `.diff` / `.diff_b` entries, one tensor at a time: composed from the work files, stored, recorded."""
+    import hashlib
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from mergeflow.architectures.original_layout import apply
+    from mergeflow.architectures.original_lora import naming_for
+    from mergeflow.architectures.schema import model_schema
+
+    cls = plan.output.transformer_class
+    config = json.loads((Path(plan.base.component_dir) / "config.json").read_text())
+    shapes = dict(plan.output.expected_shapes)
+    lora_modules = naming_for(cls).plan(sorted(layer.module for layer in layers))
+    planned, left = plan_diffs(cls, model_schema(cls, config).fields, shapes, sorted(diffs), linear, lora_modules)
+    by_name = {item["name"]: item for item in other}
+    for name, why in left.items():
+        by_name[name]["reason"] = why
+    out: list[dict[str, Any]] = []
+    for entry in planned:
+        parts = []
+        for source in entry.sources:
+            if source in diffs:
+                with safe_open(diffs[source][0], framework="pt") as handle:
+                    parts.append(handle.get_tensor("diff"))
+            else:  # an unchanged part of a fused tensor: a zero block
+                parts.append(torch.zeros(shapes[source], dtype=torch.float32))
+        exact = apply(entry.op, parts).contiguous()
+        dtype = next(diffs[s][1] for s in entry.sources if s in diffs)
+        stored = exact.to(torch_dtype(dtype)).contiguous()
+        path = work / f"entry-{len(out):05d}.safetensors"
+        suffix = entry.key.rsplit(".", 1)[1]
+        save_file({suffix: stored}, str(path), metadata={"format": "pt"})
+        layout_key = f"{EXTRACTED_PREFIX}{entry.key}"
+        layouts[layout_key] = _factor_layout(layout_key, stored)
+        files[layout_key] = str(path)
+        diff_keys[entry.key] = layout_key
+        for source in entry.sources:
+            if source in by_name:
+                by_name[source]["written_as"] = entry.key
+                by_name[source]["reason"] = WRITTEN
+        out.append({"key": entry.key, "patches": entry.patches, "sources": list(entry.sources), "op": entry.op,
+                    "shape": list(stored.shape), "dtype": dtype, "delta_norm": float(torch.linalg.norm(exact)),
+                    "max_abs_rounding": float((stored.to(torch.float32) - exact).abs().max()) if exact.numel() else 0.0,
+                    "sha256": hashlib.sha256(bits(stored).numpy().tobytes()).hexdigest()})
+    return sorted(out, key=lambda item: item["key"])
+
+
+def _lora_plan(plan: MergePlan, layers: list[LayerExtraction], diff_keys: Mapping[str, str]) -> LoraPlan:
     """The adapter as a LoRA checkpoint's would be planned: r = lora_alpha per layer (scale 1), full module paths."""
     assert plan.extract is not None
     fmt = plan.extract.adapter_format
@@ -224,23 +296,28 @@ def _lora_plan(plan: MergePlan, layers: list[LayerExtraction]) -> LoraPlan:
         adapter_name=ADAPTER_NAME, excluded_adapters=(), layout=FULL_STATE, fuse=False, adapter_format=fmt,
         base_weights=None, r=r, lora_alpha=float(r), scaling=1.0, settings_origin="--extract-lora",
         modules=modules, adapter_keys=adapter_output(fmt).adapter_keys(ADAPTER_NAME, keys, {}), adapter_config=config,
+        diff_keys=dict(sorted(diff_keys.items())),
     )
 
 
 def extraction_record(settings: ExtractSettings, layers: list[LayerExtraction], other: list[dict[str, Any]],
-                      adapter_bytes: int, full_bytes: int) -> dict[str, Any]:
-    """lora_extraction.json: the method, every layer (worst retained first) and the overall figures."""
+                      adapter_bytes: int, full_bytes: int, diffs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """lora_extraction.json: the method, every layer (worst retained first), the diff entries, the overall figures."""
     ordered = sorted(layers, key=lambda layer: (layer.retained, layer.module))
     weight = sum(layer.delta_norm ** 2 for layer in layers)
     mean = sum(layer.retained * layer.delta_norm ** 2 for layer in layers) / weight if weight else 1.0
+    diffs = diffs or []
+    left_out = [item for item in other if item.get("written_as") is None]
     return {
-        "method": settings.record(),
+        "method": {**settings.record(), "diffs": "trained - base in float32, stored in the tensor's output dtype"},
         "layers": [layer.to_json() for layer in ordered],
-        "not_extracted": sorted(other, key=lambda item: -item["delta_norm"]),
+        "not_extracted": sorted(other, key=lambda item: (-item["delta_norm"], item["name"])),
+        "diffs": diffs,
         "summary": {"layers": len(layers), "adapter_factor_bytes": adapter_bytes, "full_model_bytes": full_bytes,
                     "size_ratio": adapter_bytes / full_bytes if full_bytes else 0.0,
-                    # the norm of every change the adapter leaves out (non-linear tensors, unnamed linears)
-                    "not_extracted_delta_norm": math.sqrt(sum(item["delta_norm"] ** 2 for item in other)),
+                    "diff_entries": len(diffs),
+                    # the norm of every change the adapter leaves out (neither a LoRA nor a .diff entry)
+                    "not_extracted_delta_norm": math.sqrt(sum(item["delta_norm"] ** 2 for item in left_out)),
                     "energy_weighted_retained": mean,
                     "min_retained": ordered[0].retained, "max_abs_error": max(layer.max_abs_error for layer in layers)},
     }

@@ -1,5 +1,7 @@
 """What `test` checks of an extracted adapter: lora_extraction.json against the adapter file it describes.
 
+The record's `.diff` / `.diff_b` entries (an extraction into a ComfyUI file) must be exactly the
+file's, each of its recorded shape, dtype and sha256 (of the tensor's bytes as stored).
 The record's kept norms are recomputed from the factors in the file (||scale * up @ down||_F per
 module, scale = alpha / rank where an alpha is stored), its ranks from the factors' shapes and its
 overall figures from its own layers; the weights file's size from the file. A module the output
@@ -91,6 +93,7 @@ def check_extraction(root: Path, manifest: ManifestDocument, weights_name: str) 
         if not _close(norm, layer["kept_norm"]):
             raise ArtifactInvalidError(f"{EXTRACTION_NAME}: {module}'s kept norm {layer['kept_norm']} differs from "
                                        f"||B A|| = {norm} of {weights_name}")
+    _check_diffs(root / weights_name, record.get("diffs", []))
     total = math.sqrt(sum(layer["kept_norm"] ** 2 for layer in layers))
     if direct != len(kept) and not _close(total, math.sqrt(sum(n**2 for _, n in kept.values()))):
         raise ArtifactInvalidError(f"{EXTRACTION_NAME}: the kept norm of all layers differs from the factors of {weights_name}")
@@ -102,3 +105,31 @@ def check_extraction(root: Path, manifest: ManifestDocument, weights_name: str) 
     for key, value in figures.items():
         if not isinstance(summary.get(key), (int, float)) or not _close(float(summary[key]), float(value)):
             raise ArtifactInvalidError(f"{EXTRACTION_NAME}: summary {key} {summary.get(key)} is not its layers' {value}")
+
+
+def _check_diffs(path: Path, diffs: Any) -> None:
+    """The file's `.diff` / `.diff_b` keys are the record's entries, each of the recorded shape, dtype and sha256."""
+    import hashlib
+
+    from safetensors import safe_open
+
+    from mergeflow.export.reconstruct.rebuild import bits
+    from mergeflow.lora.diffs import is_diff_key
+
+    if not isinstance(diffs, list) or not all(isinstance(d, dict) and isinstance(d.get("key"), str) for d in diffs):
+        raise ArtifactInvalidError(f"{EXTRACTION_NAME}: 'diffs' must be a list of entries with a key")
+    recorded = {d["key"]: d for d in diffs}
+    with safe_open(str(path), framework="pt") as handle:
+        held = set(filter(is_diff_key, handle.keys()))
+        if held != set(recorded):
+            extra, missing = sorted(held - set(recorded)), sorted(set(recorded) - held)
+            raise ArtifactInvalidError(f"{path.name} and {EXTRACTION_NAME} disagree on the .diff entries "
+                                       f"(unrecorded {extra[:3]}, missing {missing[:3]})")
+        for key in sorted(held):
+            tensor = handle.get_tensor(key)
+            entry = recorded[key]
+            if list(tensor.shape) != entry.get("shape") or str(tensor.dtype).removeprefix("torch.") != entry.get("dtype"):
+                raise ArtifactInvalidError(f"{key} is {tensor.dtype}{list(tensor.shape)} in {path.name} but "
+                                           f"{entry.get('dtype')}{entry.get('shape')} in {EXTRACTION_NAME}")
+            if hashlib.sha256(bits(tensor.contiguous()).numpy().tobytes()).hexdigest() != entry.get("sha256"):
+                raise ArtifactInvalidError(f"{key} in {path.name} does not hash to the sha256 {EXTRACTION_NAME} records")

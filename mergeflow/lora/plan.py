@@ -124,6 +124,8 @@ class LoraPlan:
     saved_overrides: dict[str, str] = field(default_factory=dict)  # fused output tensor -> checkpoint key
     adapter_keys: dict[str, str] = field(default_factory=dict)  # exported adapter key -> checkpoint key
     adapter_config: AdapterConfig | None = None  # the exported PEFT LoraConfig dict
+    # --extract-lora into a ComfyUI file: `.diff` / `.diff_b` file key -> its layout key (mergeflow.lora.diffs)
+    diff_keys: dict[str, str] = field(default_factory=dict)
 
     @property
     def writes_model(self) -> bool:

@@ -7,6 +7,9 @@ the checkpoint's tensors, byte for byte; a fused module's (Flux's `qkv`) are com
 writer's adapter ops and re-verified against every source tensor. Where the loaders read a
 per-module alpha it is written as `alpha = scale * rank`, so alpha / rank is PEFT's scale.
 
+An extraction (--extract-lora) adds its `.diff` / `.diff_b` entries (mergeflow.lora.diffs) as they
+were composed; `test` checks them against the extraction record (mergeflow.lora.extraction_check).
+
 Refused before any write: DoRA (ComfyUI's `dora_scale` is dropped by Diffusers), lora_B biases,
 modules_to_save, fused parts trained with different scales, and modules a naming cannot carry.
 The header records the naming (`mergeflow_lora_naming`), which `test` checks the keys against.
@@ -19,6 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from mergeflow.architectures.original_lora import (
     ALPHA_SUFFIX,
+    COMFY_MODEL_PREFIX,
     LoraModule,
     LoraNaming,
     checked_plan,
@@ -26,6 +30,8 @@ from mergeflow.architectures.original_lora import (
     naming_named,
 )
 from mergeflow.errors import ArtifactInvalidError, LoraError
+from mergeflow.lora.diffs import is_diff_key
+from mergeflow.lora.extract_spec import EXTRACTION_NAME
 from mergeflow.outputs.lora_adapter import AdapterOutput
 
 if TYPE_CHECKING:
@@ -64,12 +70,25 @@ class ComfyuiLora(AdapterOutput):
         return {"format": "pt"}  # the naming is added per export (shard_metadata)
 
     def adapter_writes(self, plan: MergePlan, lora: LoraPlan, layouts: Mapping[str, TensorLayout]) -> list[TensorWrite]:
+        from mergeflow.records import TensorWrite
+
         naming = naming_for(plan.output.transformer_class)
         by_module = {m.module: m for m in lora.modules}
         writes: list[TensorWrite] = []
         for module in checked_plan(naming, sorted(by_module)):
             writes.extend(_module_writes(plan, naming, module, by_module, layouts))
+        if lora.diff_keys and naming.diff_refusal is not None:
+            raise LoraError(f"the {naming.name} naming takes no .diff entries: {naming.diff_refusal}")
+        taken = {w.name for w in writes}
+        for key, source in sorted(lora.diff_keys.items()):
+            if key in taken or not is_diff_key(key):
+                raise LoraError(f"the diff entry {key} would clash with a LoRA key or is not a .diff key")
+            # An extraction's diff, composed and stored in its dtype already: written as it is.
+            writes.append(TensorWrite(key, layouts[source].key, layouts[source], layouts[source].dtype))
         return sorted(writes, key=lambda w: w.name)
+
+    def carries_diffs(self) -> bool:
+        return True  # ComfyUI's load_lora reads `<x>.diff` / `<x>.diff_b` (where the naming accepts them)
 
     def carried_modules(self, transformer_class: str, modules: list[str]) -> set[str]:
         # A full fine-tune also trains modules the naming has no key for (Flux's embedders): an extraction
@@ -101,7 +120,12 @@ class ComfyuiLora(AdapterOutput):
         if naming is None:  # check_metadata (in super's check) refuses this first
             raise ArtifactInvalidError(f"{self.weights_name}: header names no known LoRA naming")
         suffixes = (naming.down, naming.up, ALPHA_SUFFIX)
+        # `.diff` entries only in an extraction (whose record lists each one: check_extraction compares them),
+        # under the naming's prefix or ComfyUI's generic `diffusion_model.`, and never for a naming that refuses them.
+        extracted = EXTRACTION_NAME in manifest["files"] and naming.diff_refusal is None
         for key in entries:
+            if extracted and is_diff_key(key) and key.startswith((naming.key_prefix, COMFY_MODEL_PREFIX)):
+                continue
             if not key.startswith(naming.key_prefix) or not key.endswith(tuple(f".{s}" for s in suffixes)):
                 raise ArtifactInvalidError(f"{key} in {self.weights_name} is not a {naming.name} LoRA key")
         return count

@@ -59,6 +59,11 @@ class AdapterOutput(ArtifactOutput):
         return [TensorWrite(out, src, layouts[src], output_dtype(out, layouts[src].dtype, policy, keep))
                 for out, src in sorted(lora.adapter_keys.items())]
 
+    def carries_diffs(self) -> bool:
+        """Whether an --extract-lora adapter in this format holds `.diff` / `.diff_b` entries for the changed
+        tensors no LoRA carries (mergeflow.lora.diffs; which ones, the architecture's naming says)."""
+        return False
+
     def carried_modules(self, transformer_class: str, modules: list[str]) -> set[str]:
         """The modules (of an --extract-lora adapter) this format has keys for; by default every module."""
         return set(modules)
