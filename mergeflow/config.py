@@ -25,6 +25,7 @@ QkvLayout = Literal["interleaved", "stacked"]
 # output takes which value is the output's own (ModelOutput.quantizations).
 Quantize = Literal["none", "fp8", "bf16", "q8_0"]
 TaskRunner = Literal["thread", "dask"]
+SmokeDevice = Literal["cpu", "cuda"]  # where the runtime check runs (mergeflow/ops/smoke.py)
 
 
 # The --output_format choices. Owned here, so every entry point reads one list; an output that
@@ -51,6 +52,7 @@ ADAPTER_FORMATS: tuple[AdapterFormat, ...] = get_args(AdapterFormat)
 QKV_LAYOUTS: tuple[QkvLayout, ...] = get_args(QkvLayout)
 QUANTIZATIONS: tuple[Quantize, ...] = get_args(Quantize)
 TASK_RUNNERS: tuple[TaskRunner, ...] = get_args(TaskRunner)
+SMOKE_DEVICES: tuple[SmokeDevice, ...] = get_args(SmokeDevice)
 DEFAULT_OUTPUT_FORMAT: OutputFormat = "pipeline"
 DEFAULT_ADAPTER_FORMAT: AdapterFormat = "peft"
 DEFAULT_DTYPE: Dtype = "preserve"
@@ -93,6 +95,11 @@ class ModelMergerConfig:
     # --extract-energy F: per layer the smallest rank that keeps the fraction F of ||dW||, capped at RANK.
     extract_lora: int | None = None
     extract_energy: float | None = None
+    # The model card's base_model when the base is a local folder that does not tell its Hub id (mergeflow/hub/model_card.py).
+    base_model_id: str | None = None
+    # --smoke: run the runtime check (one denoising step, mergeflow/ops/smoke.py) on the staged artifact before publishing.
+    smoke: bool = False
+    smoke_device: SmokeDevice = "cpu"
 
     def __post_init__(self) -> None:
         if self.hf_model_config_path is None and self.local_dir is not None:
@@ -155,6 +162,11 @@ class ModelMergerConfig:
         from mergeflow.lora.extract_spec import check_settings
 
         check_settings(self.extract_lora, self.extract_energy)
+        from mergeflow.hub.model_card import check_base_model_id
+
+        check_base_model_id(self.base_model_id)
+        if self.smoke_device not in SMOKE_DEVICES:
+            raise UsageError(f"--smoke-device must be one of {', '.join(SMOKE_DEVICES)}, not {self.smoke_device!r}")
         if self.hf_upload_path is not None and self.hf_upload_path.count("/") != 1:
             raise UsageError(f"--hf_upload_path must look like ORG/REPO, not {self.hf_upload_path!r}")
 

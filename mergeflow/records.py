@@ -87,6 +87,7 @@ class BaseInputs:
     component_dir: str  # the trained component's directory in the base ("" when not local)
     files: dict[str, str]  # base-relative path -> sha256
     copy_files: tuple[str, ...] = ()  # copied into the artifact (pipeline output)
+    hub_id: str | None = None  # the base's Hub model id when known: the model card's base_model
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Literal, TypedDict
 
 from mergeflow.errors import ArtifactInvalidError
 from mergeflow.formats.manifest import MANIFEST_NAME, ManifestDocument, check_manifest
+from mergeflow.hub.model_card import check_card
 from mergeflow.io.fs import FileStamp
 from mergeflow.io.jsonfiles import (
     JsonObject,
@@ -178,6 +179,7 @@ def validate_artifact_dir(root: Path, verified: Mapping[str, VerifiedFile] | Non
         raise ArtifactInvalidError(f"{root.name} has no {MANIFEST_NAME}; is it a mergeflow artifact?")
     manifest = check_manifest(read_canonical_manifest(manifest_path), artifact_types())
     check_tree_and_hashes(root, manifest["files"], verified=verified)
+    check_card(root, manifest.get("model_card"), manifest["tensors"])  # after the hashes: the card is the listed one
     output = output_for_manifest(manifest)  # the kind of artifact: its own configs and weights are checked
     output.check_configs(root, manifest)
     count = output.check_weights(root, manifest)

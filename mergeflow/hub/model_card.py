@@ -1,0 +1,247 @@
+"""The artifact's model card: README.md with YAML front matter, written with huggingface_hub's ModelCard.
+
+The card says what the Hub shows (base model, relation, library, pipeline tag) and what mergeflow
+proved. It is built from the manifest record and the plan, never from a path of the user's machine:
+the training run and step come from verl's `<run>/global_step_N` names, the base from its Hub id.
+
+The card is one of the manifest's `files` (its sha256), so the manifest cannot also be named by the
+card's own digest (circular): the card carries `tensors_sha256`, the digest of the manifest's tensor
+records (canonical JSON), which the manifest's `model_card` record repeats and `test` recomputes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from huggingface_hub import ModelCard, ModelCardData
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
+
+from mergeflow.errors import ArtifactInvalidError, UsageError
+from mergeflow.formats.manifest import Manifest
+from mergeflow.formats.verl_checkpoint import verl_run_step
+
+CARD_NAME = "README.md"
+Relation = Literal["finetune", "adapter", "quantized", "merge"]
+# Architectures (the manifest's root class) whose pipelines make videos, and those that edit images.
+_VIDEO = ("Wan", "LTX2", "MiniMaxH3")
+_EDIT = ("QwenImageEdit",)
+_HF_CACHE_DIR = re.compile(r"^models--(?P<org>[^/]+?)--(?P<name>[^/]+)$")
+ADAPTER_TYPES = ("peft_adapter",)
+
+
+def hub_id(text: str | None) -> str | None:
+    """`text` when it is a Hub model id (`org/name`), else None (a local path is never one)."""
+    if not text or text.startswith(("/", ".", "~")) or text.count("/") != 1:
+        return None
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        return None
+    return text
+
+
+def check_base_model_id(value: str | None) -> None:
+    """--base-model-id: refused in one line unless it is a Hub model id."""
+    if value is not None and hub_id(value) is None:
+        raise UsageError(f"--base-model-id must be a Hub model id (org/name), not {value!r}")
+
+
+def base_model_id(flag: str | None, base_dir: str, named_base: str | None) -> str | None:
+    """The base's Hub id: the flag, else the base named as an id (an adapter's), else a Hub cache snapshot's repo.
+
+    A snapshot in the Hub cache lies at `models--<org>--<name>/snapshots/<revision>`: its repo is its id.
+    A base's own README.md does not name its own repo (its `base_model` is the base's base), so it is not read.
+    """
+    if flag:
+        return flag
+    named = hub_id(named_base)
+    if named is not None:
+        return named
+    if base_dir:
+        path = Path(base_dir)
+        for part in (path, *path.parents):
+            if part.parent.name == "snapshots":
+                match = _HF_CACHE_DIR.match(part.parent.parent.name)
+                if match:
+                    return f"{match['org']}/{match['name']}"
+    return None
+
+
+def tensors_sha256(tensors: Mapping[str, Any]) -> str:
+    """sha256 of the manifest's `tensors` table as canonical JSON (sorted keys, no spaces)."""
+    raw = json.dumps(tensors, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+    return hashlib.sha256(raw).hexdigest()
+
+
+@dataclass(frozen=True)
+class CardFacts:
+    """What the card says beyond the manifest: the base's id, the training run and step, the tensors' file."""
+
+    base_model: str | None
+    run: str | None
+    step: int | None
+    weights_file: str
+    transformer_class: str
+
+    @staticmethod
+    def of(actor_dir: str, base_model: str | None, weights_file: str, transformer_class: str) -> CardFacts:
+        found = verl_run_step(Path(actor_dir)) if actor_dir else None
+        return CardFacts(base_model, found[0] if found else None, found[1] if found else None, weights_file,
+                         transformer_class)
+
+
+def relation(manifest: Manifest) -> Relation:
+    """What the artifact is to its base: an adapter, quantized weights, a fused LoRA (merge) or a fine-tune."""
+    if manifest.artifact_type in ADAPTER_TYPES:
+        return "adapter"
+    if manifest.quantization is not None:
+        return "quantized"
+    if manifest.lora_fusion is not None:
+        return "merge"
+    return "finetune"
+
+
+def pipeline_tag(architecture: str, transformer_class: str) -> str:
+    name = architecture or transformer_class
+    if name.startswith(_EDIT):
+        return "image-to-image"
+    if name.startswith(_VIDEO) or transformer_class.startswith(_VIDEO):
+        return "text-to-video"
+    return "text-to-image"
+
+
+def _format(manifest: Manifest) -> str:
+    if manifest.lora_adapter is not None:
+        return f"lora-{manifest.lora_adapter.format}"
+    if manifest.quantization is not None:
+        return str(manifest.quantization.get("method", manifest.artifact_type))
+    return manifest.artifact_type
+
+
+def card_data(manifest: Manifest, facts: CardFacts) -> ModelCardData:
+    rel = relation(manifest)
+    adapter_format = manifest.lora_adapter.format if manifest.lora_adapter is not None else None
+    library = "peft" if adapter_format == "peft" else "diffusers"
+    tags = ["mergeflow", manifest.architecture, manifest.artifact_type]
+    if rel == "adapter":
+        tags.append("lora")
+    if manifest.quantization is not None:
+        tags.append(str(manifest.quantization.get("method", "quantized")))
+    kwargs: dict[str, Any] = {"base_model_relation": rel} if facts.base_model else {}
+    return ModelCardData(base_model=facts.base_model, library_name=library,
+                         pipeline_tag=pipeline_tag(manifest.architecture, facts.transformer_class),
+                         tags=list(dict.fromkeys(tags)), **kwargs)
+
+
+def load_snippet(manifest: Manifest, facts: CardFacts) -> str:
+    """How to load this artifact: Python for its format (`repo`: this folder, or its Hub repo id)."""
+    base = facts.base_model or "BASE_PIPELINE"  # the base pipeline's id or folder, when the card cannot name it
+    head = 'import torch\nfrom diffusers import DiffusionPipeline\n\nrepo = "."  # this folder, or its Hub repo id\n'
+    cls = facts.transformer_class
+    if manifest.lora_adapter is not None:
+        fmt = manifest.lora_adapter.format
+        if fmt == "peft":
+            return (f'{head}pipe = DiffusionPipeline.from_pretrained("{base}", torch_dtype=torch.bfloat16)\n'
+                    "from peft import PeftModel\n"
+                    "pipe.transformer = PeftModel.from_pretrained(pipe.transformer, repo)\n")
+        return (f'{head}pipe = DiffusionPipeline.from_pretrained("{base}", torch_dtype=torch.bfloat16)\n'
+                f'pipe.load_lora_weights(repo, weight_name="{facts.weights_file}")\n')
+    if manifest.artifact_type == "diffusers_transformer":
+        return (f"{head}from diffusers import {cls}\n\n"
+                f"transformer = {cls}.from_pretrained(repo, torch_dtype=torch.bfloat16)\n"
+                f'pipe = DiffusionPipeline.from_pretrained("{base}", transformer=transformer, torch_dtype=torch.bfloat16)\n')
+    if manifest.artifact_type == "gguf":
+        return (f"{head}from diffusers import {cls}, GGUFQuantizationConfig\n\n"
+                f'transformer = {cls}.from_single_file(f"{{repo}}/{facts.weights_file}", '
+                "quantization_config=GGUFQuantizationConfig(compute_dtype=torch.bfloat16), "
+                f'config="{base}", subfolder="transformer")\n')
+    if manifest.artifact_type == "single_file":
+        note = ("# ComfyUI's scaled float8: load it in ComfyUI, or dequantize (weight * scale_weight) first\n"
+                if manifest.quantization is not None else "")
+        return (f"{head}from diffusers import {cls}\n\n{note}"
+                f'transformer = {cls}.from_single_file(f"{{repo}}/{facts.weights_file}", '
+                f'config="{base}", subfolder="transformer", torch_dtype=torch.bfloat16)\n')
+    return f"{head}pipe = DiffusionPipeline.from_pretrained(repo, torch_dtype=torch.bfloat16)\n"
+
+
+def _proven(manifest: Manifest, runtime: Mapping[str, Any] | None) -> str:
+    layers = ", ".join(f"{k}: {v}" for k, v in manifest.verification.items() if k != "runtime")
+    lines = [
+        "- Every tensor was reconstructed from the rank files and read back bit-exact before publication.",
+        f"- Validation layers: {layers}.",
+    ]
+    status = manifest.verification.get("runtime", "not_run")
+    if runtime and status == "passed":
+        stats = runtime.get("output", {})
+        lines.append(f"- Runtime check: passed ({runtime.get('loaded_as')}, one denoising step on {runtime.get('device')} "
+                     f"in {runtime.get('dtype')}, output {stats.get('shape')} finite, mean {stats.get('mean')}, "
+                     f"std {stats.get('std')}; {runtime.get('seconds')} s).")
+    else:
+        lines.append(f"- Runtime check: {status} (`mergeflow smoke --test_hf_dir OUT` runs it on a copy).")
+    return "\n".join(lines)
+
+
+def render(manifest: Manifest, facts: CardFacts, runtime: Mapping[str, Any] | None = None) -> str:
+    """The card's text: YAML front matter from ModelCardData, then the body."""
+    data = card_data(manifest, facts)
+    checkpoint = dict(manifest.checkpoint)
+    training = f"run `{facts.run}`, step {facts.step}" if facts.run else "not recorded (not a verl global_step_N layout)"
+    layout = checkpoint.get("layout") or (f"verl FSDP{checkpoint.get('fsdp_version')} rank files"
+                                           if checkpoint.get("fsdp_version") else "FSDP checkpoint")
+    base = f"[{facts.base_model}](https://huggingface.co/{facts.base_model})" if facts.base_model else "not named (no Hub id known)"
+    body = f"""
+# {manifest.architecture} ({_format(manifest)}) exported by mergeflow
+
+A {relation(manifest)} of {base}, written by mergeflow {manifest.producer.get('mergeflow', '')} from an FSDP training checkpoint.
+
+## Provenance
+
+- Training: {training}
+- Checkpoint: {layout}, world size {checkpoint.get('world_size')}
+- Output format: {manifest.artifact_type} (tensors: {len(manifest.tensors)}, dtype {manifest.dtype})
+- Manifest: `merge_manifest.json` lists every file's sha256, this card included, so the card cannot name the
+  manifest's own digest. It names the digest of the manifest's tensor records instead
+  (sha256 of `tensors` as canonical JSON): `{tensors_sha256(manifest.tensors_json())}`
+
+## What was proven
+
+{_proven(manifest, runtime)}
+
+Check it again without the training checkpoint: `mergeflow test --backend fsdp --test_hf_dir OUT`.
+
+## How to load
+
+```python
+{load_snippet(manifest, facts)}```
+"""
+    card = ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
+    return str(card)
+
+
+def card_record(manifest: Manifest, facts: CardFacts) -> dict[str, Any]:
+    """The manifest's `model_card` record: which file, what it declares, and the tensors digest it names."""
+    return {"file": CARD_NAME, "base_model": facts.base_model, "base_model_relation": relation(manifest),
+            "tensors_sha256": tensors_sha256(manifest.tensors_json())}
+
+
+def check_card(root: Path, record: Any, tensors: Mapping[str, Any]) -> None:
+    """`test`: the card parses with huggingface_hub and names this manifest's tensors digest."""
+    if record is None:
+        return
+    if not isinstance(record, dict) or record.get("file") != CARD_NAME:
+        raise ArtifactInvalidError("manifest model_card must be {file: README.md, ...}")
+    digest = tensors_sha256(tensors)
+    if record.get("tensors_sha256") != digest:
+        raise ArtifactInvalidError("manifest model_card.tensors_sha256 is not the digest of its tensors")
+    card = ModelCard.load(root / CARD_NAME)
+    if digest not in card.text:
+        raise ArtifactInvalidError(f"{CARD_NAME} does not name the manifest's tensors digest")
+    if card.data.get("base_model") != record.get("base_model"):
+        raise ArtifactInvalidError(f"{CARD_NAME}'s base_model differs from the manifest's model_card record")
