@@ -22,7 +22,7 @@ from mergeflow.config import (
     QUANTIZATIONS,
 )
 from mergeflow.flows import cli
-from mergeflow.flows.ops_cli import add_task_runner_flags
+from mergeflow.flows.ops_cli import add_smoke_flags, add_task_runner_flags
 from mergeflow.ops.serve_settings import ServeSettings
 
 
@@ -52,6 +52,7 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[
                        help="publish a LoRA of (trained - base) at this rank instead of the model")
     serve.add_argument("--extract-energy", "--extract_energy", dest="extract_energy", type=float, metavar="F",
                        help="with --extract-lora: per layer the smallest rank keeping ||dW_r||/||dW|| >= F, capped at RANK")
+    add_smoke_flags(serve)
     serve.add_argument("--limit", type=int, default=1, help="merges running at the same time")
     add_task_runner_flags(serve)
     serve.add_argument("--debug", action="store_true", help="show tracebacks and Prefect's console logs")
@@ -74,6 +75,7 @@ def cmd_serve(args: argparse.Namespace) -> ServeResult:
         checkpoint_roots=tuple(args.checkpoint_roots), allowed_base_models=tuple(args.allowed_base_models),
         quantize=args.quantize,
         extract_lora=args.extract_lora, extract_energy=args.extract_energy,
+        smoke=args.smoke, smoke_device=args.smoke_device, base_model_id=args.base_model_id,
     ).checked()  # merge's pre-flight on serve's settings: what every triggered run would fail on, before any server
     use_prefect_api("serve")  # before Prefect is imported (the next import): it reads PREFECT_API_URL then
     from mergeflow.deployments.serve import serve_deployments, served_names

@@ -23,6 +23,7 @@ from mergeflow.config import (
     ModelMergerConfig,
     OutputFormat,
     Quantize,
+    SmokeDevice,
     TaskRunner,
 )
 from mergeflow.errors import UsageError
@@ -74,6 +75,9 @@ def backfill_flow(
     quantize: Quantize = DEFAULT_QUANTIZE,
     extract_lora: int | None = None,
     extract_energy: float | None = None,
+    smoke: bool = False,
+    smoke_device: SmokeDevice = "cpu",
+    base_model_id: str | None = None,
 ) -> BackfillSummary:
     """Export every complete, unpublished global_step_N of a training run, oldest first.
 
@@ -94,6 +98,9 @@ def backfill_flow(
         quantize: Weight encoding: fp8 with output_format single_file (ComfyUI's scaled float8); none keeps dtype.
         extract_lora: Publish a LoRA of (trained - base) at this rank instead of the model (None: off).
         extract_energy: With extract_lora: per layer the smallest rank keeping this fraction of ||dW||, capped at it.
+        smoke: Run the runtime check (one denoising step) before each step's publication.
+        smoke_device: cpu, or cuda where the worker has one.
+        base_model_id: The base's Hub id for the model cards (org/name).
     """
     # A served run: its paths come from a form or the API, so they get the limits serve gives events.
     confinement = Confinement.of(checkpoint_roots, target_root, [base_model]) if checkpoint_roots is not None else None
@@ -103,7 +110,8 @@ def backfill_flow(
     settings = BackfillSettings(train_dir=train_dir, base_model=base_model, target_root=target_root, run_name=run_name,
                                 output_format=output_format, dtype=dtype, allow_unchanged=allow_unchanged,
                                 stable_seconds=stable_seconds, max_shard_size=max_shard_size, workers=workers,
-                                quantize=quantize, extract_lora=extract_lora, extract_energy=extract_energy)
+                                quantize=quantize, extract_lora=extract_lora, extract_energy=extract_energy,
+                                smoke=smoke, smoke_device=smoke_device, base_model_id=base_model_id)
     runner = make_task_runner(task_runner, workers=workers, dask_address=dask_address)
 
     def merge(config: ModelMergerConfig) -> object:

@@ -24,8 +24,8 @@ from mergeflow.formats.manifest import (
     UnchangedMeasurement,
     producer_versions,
 )
-from mergeflow.io.fs import fsync_dir, make_readable, rename_noreplace
 from mergeflow.hub.model_card import CARD_NAME, CardFacts, card_record, render
+from mergeflow.io.fs import fsync_dir, make_readable, rename_noreplace
 from mergeflow.io.jsonfiles import write_bytes_durable, write_json_durable
 from mergeflow.io.session import sha256_file
 from mergeflow.outputs.registry import output_of
@@ -141,6 +141,19 @@ def write_model_card(plan: MergePlan, manifest: Manifest, root: Path, weights_fi
     write_bytes_durable(root / CARD_NAME, raw)
     files = {**manifest.files, CARD_NAME: sha256_file(root / CARD_NAME)}
     return replace(manifest, files=dict(sorted(files.items())))
+
+
+def record_runtime(plan: MergePlan, manifest: Manifest, root: Path, weights_file: str,
+                   runtime: Mapping[str, Any]) -> Manifest:
+    """The runtime check passed on the staged artifact at `root`: its record into the card and the manifest.
+
+    Before validation and publication, so the published manifest (and any signature over the staging tree)
+    holds the result; a failed check never reaches here (nothing is published).
+    """
+    manifest = replace(manifest, verification={**manifest.verification, "runtime": "passed"}, runtime=dict(runtime))
+    manifest = write_model_card(plan, manifest, root, weights_file, runtime)
+    write_json_durable(root / MANIFEST_NAME, manifest.to_json(), indent=2)
+    return manifest
 
 
 def publish_staged(plan: MergePlan, report: ValidationReport) -> dict[str, str]:

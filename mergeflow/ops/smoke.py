@@ -18,6 +18,7 @@ import json
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,15 @@ PROMPT = "a cat"  # a tiny prompt: the step's cost is the denoiser's, not the te
 SEED = 0
 # Pipelines whose one-step call cannot run on a tiny pipeline here, and why: their denoiser runs alone.
 PIPELINE_STEP_UNSUPPORTED: dict[str, str] = {}
+
+
+@dataclass(frozen=True)
+class SmokeSettings:
+    """How a merge's --smoke runs the check: device, dtype, and whether the base's remote code may load."""
+
+    device: str = "cpu"
+    dtype: str = "float32"
+    trust_remote_code: bool = False
 
 
 class RuntimeCheckError(MergeflowError):
@@ -203,7 +213,7 @@ def run_runtime_check(artifact: Path, *, device: str = "cpu", dtype: str = "floa
             loaded_as, step, output = _load_and_step(root, manifest, device, torch_dtype, base, trust_remote_code)
         except MergeflowError:
             raise
-        except Exception as exc:  # noqa: BLE001 - a loader or model failure is the check's result, in one line
+        except Exception as exc:  # a loader or model failure is the check's result, in one line
             raise RuntimeCheckError(f"the runtime check failed loading or running the {kind}: "
                                     f"{type(exc).__name__}: {exc}") from exc
     return {"status": "passed", "artifact_type": kind, "loaded_as": loaded_as, "step": step, "device": device,
@@ -223,6 +233,19 @@ def _load_and_step(root: Path, manifest: Mapping[str, Any], device: str, dtype: 
         if why is None:
             return f"DiffusionPipeline ({name})", "pipeline, 1 step", pipeline_step(pipe, device)
         return f"DiffusionPipeline ({name})", f"transformer forward ({why})", transformer_step(pipe.transformer, device, dtype)
+    if (root / "modular_model_index.json").is_file():
+        # A modular pipeline's blocks take their own inputs (no one-call text-to-video entry): its trained
+        # denoiser, loaded by its class from the artifact, runs the step alone.
+        index = json.loads((root / "modular_model_index.json").read_text())
+        component = next(n for n in ("transformer",) if n in index)
+        config = json.loads((root / component / "config.json").read_text())
+        cls = getattr(diffusers, config["_class_name"])
+        model = cls.from_pretrained(str(root / component), torch_dtype=dtype, local_files_only=True).to(device)
+        return (f"{cls.__name__}.from_pretrained ({component}/ of the modular pipeline)",
+                "transformer forward (a modular pipeline has no one-call step)", transformer_step(model, device, dtype))
+    if kind == "minimax_h3_pipeline":
+        raise RuntimeCheckError("no runtime check for MiniMax H3's native package: its transformer is the package's own "
+                                "MiniMaxH3DiTModel, which Diffusers does not load")
     if kind == "diffusers_transformer":
         cls = getattr(diffusers, json.loads((root / "config.json").read_text())["_class_name"])
         model = cls.from_pretrained(str(root), torch_dtype=dtype, local_files_only=True).to(device)
@@ -238,3 +261,14 @@ def _load_and_step(root: Path, manifest: Mapping[str, Any], device: str, dtype: 
         model, loaded_as = load_adapter(root, manifest, base, dtype)
         return loaded_as, "transformer forward", transformer_step(model.to(device), device, dtype)
     raise RuntimeCheckError(f"no runtime check for artifact type {kind!r}")
+
+
+def runtime_markdown(record: Mapping[str, Any]) -> str:
+    """The runtime check's result as a small markdown table (the Prefect artifact of a smoke run)."""
+    output = record.get("output", {})
+    rows = [("result", record.get("status")), ("loaded as", record.get("loaded_as")), ("step", record.get("step")),
+            ("device", record.get("device")), ("dtype", record.get("dtype")), ("seconds", record.get("seconds")),
+            ("peak memory (bytes)", record.get("peak_memory_bytes")), ("output shape", output.get("shape")),
+            ("output mean / std", f"{output.get('mean')} / {output.get('std')}"),
+            ("output min / max", f"{output.get('min')} / {output.get('max')}")]
+    return "| runtime check | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows) + "\n"

@@ -81,7 +81,7 @@ def load_single_file(root: Path, manifest: Mapping[str, Any], dtype: Any) -> tup
             model = cls.from_single_file(str(path), config=str(root), local_files_only=True, torch_dtype=dtype,
                                          **layout_for(cls.__name__).loader_kwargs(config))
             return model.eval(), f"{cls.__name__}.from_single_file"
-        except Exception as exc:  # noqa: BLE001 - Diffusers' converter cannot read every width: the key map can
+        except Exception as exc:  # Diffusers' converter cannot read every width: the key map can
             if not key_map:
                 raise
             reason = f"from_single_file: {type(exc).__name__}"

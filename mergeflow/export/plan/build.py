@@ -55,7 +55,7 @@ from mergeflow.sources.registry import (
 
 # Options that do not change a byte of the artifact stay out of the fingerprint, so changing
 # them keeps a half-done export resumable.
-_NOT_FINGERPRINTED = ("workers", "hf_upload_path", "private", "allow_unchanged", "smoke", "smoke_device")
+_NOT_FINGERPRINTED = ("workers", "hf_upload_path", "private", "allow_unchanged", "smoke", "smoke_device", "smoke_dtype")
 
 
 @dataclass(frozen=True)
