@@ -74,6 +74,10 @@ def test_merge_smoke_runs_one_pipeline_step_and_records_it(smoked: tuple[str, Ex
     card = ModelCard.load(item.out / "README.md")
     assert "Runtime check: passed" in card.text and runtime["loaded_as"] in card.text
     assert check_artifact(str(item.out))["integrity"] == "passed"
+    from mergeflow.flows.artifacts import runtime_rows
+
+    (row,) = runtime_rows(runtime)  # the UI summary's row
+    assert row.startswith(f"| runtime check | passed: {runtime['loaded_as']}, pipeline, 1 step on cpu")
 
 
 def test_standalone_smoke_reports_and_never_rewrites(smoked: tuple[str, Exported], capsys: pytest.CaptureFixture[str],
@@ -157,3 +161,22 @@ def test_a_non_finite_model_fails_the_merge_and_publishes_nothing(tmp_path: Path
     with pytest.raises(RuntimeCheckError, match="not finite"):
         merge_model(ex.config(smoke=True))
     assert not (tmp_path / "out").exists()
+
+
+def test_a_modular_minimax_h3_pipeline_runs_its_transformer_forward(tmp_path: Path, prefect_server: Any,
+                                                                   prefect_api: Any) -> None:
+    from fixtures.minimax_h3 import build_minimax_h3_modular
+
+    from mergeflow.demo.checkpoints import build_transformer
+
+    transformer = build_transformer("MiniMaxH3Transformer3DModel", seed=0)
+    base = build_minimax_h3_modular(tmp_path / "base", transformer)
+    index_path = base / "modular_model_index.json"  # as ModularPipeline.save_pretrained writes a local save
+    index = json.loads(index_path.read_text())
+    index["transformer_ref"][2]["pretrained_model_name_or_path"] = str(base)
+    index_path.write_text(json.dumps(index, indent=2))
+    actor, actor_dir = make_actor(transformer, tmp_path)
+    item = export(prefect_server, Exported(base, actor_dir, actor), tmp_path / "out", smoke=True)
+    runtime = item.manifest["runtime"]
+    assert runtime["loaded_as"].startswith("MiniMaxH3Transformer3DModel.from_pretrained (transformer/")
+    assert runtime["step"].startswith("transformer forward (a modular pipeline") and runtime["output"]["finite"]

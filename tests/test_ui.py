@@ -88,7 +88,9 @@ def test_merge_run_name_logs_and_summary_through_the_client(tmp_path: Path, pref
     assert f"| source | `{actor}` |" in summary and f"| base model | `{ex.base_dir}` |" in summary
     for layer in ("structure", "source_round_trip", "artifact_round_trip", "integrity", "runtime"):
         assert f"| {layer} |" in summary
-    assert "| runtime | not_run | loading and running the model; `not_run` means" in summary
+    assert "| runtime | not_run | loaded with Diffusers and one denoising step run" in summary
+    assert "| runtime check | not_run (merge without --smoke) |" in summary
+    assert "| model card | README.md: finetune of not named" in summary
     assert f"mergeflow test --backend fsdp --test_hf_dir {result.output_dir}" in summary
     table = _artifact("merge-manifest-run-ui-step7", run.id).data
     rows = table if isinstance(table, list) else __import__("json").loads(table)
