@@ -45,8 +45,13 @@ from mergeflow.flows.progress import (
     merge_progress,
 )
 from mergeflow.flows.run_names import export_label
-from mergeflow.ops.smoke import SmokeSettings
-from mergeflow.records import Manifest, MergePlan, ShardRecord, TensorLayout
+from mergeflow.records import (
+    Manifest,
+    MergePlan,
+    ShardRecord,
+    SmokeSettings,
+    TensorLayout,
+)
 from mergeflow.tasks.copy_components import copy_components
 from mergeflow.tasks.inspect_inputs import inspect_inputs
 from mergeflow.tasks.layouts import combine_rank_layouts, index_dcp

@@ -322,3 +322,12 @@ class ValidationReport:
     files_checked: int
     tensors_checked: int
     layers: dict[str, str]
+
+
+@dataclass(frozen=True)
+class SmokeSettings:
+    """How a merge's --smoke runs the check: device, dtype, and whether the base's remote code may load."""
+
+    device: str = "cpu"
+    dtype: str = "float32"
+    trust_remote_code: bool = False

@@ -13,8 +13,8 @@ from prefect.cache_policies import NO_CACHE
 
 from mergeflow.export.publish import record_runtime
 from mergeflow.lora.artifact import ADAPTER_DIR
-from mergeflow.ops.smoke import SmokeSettings, run_runtime_check
-from mergeflow.records import Manifest, MergePlan
+from mergeflow.ops.smoke import run_runtime_check
+from mergeflow.records import Manifest, MergePlan, SmokeSettings
 from mergeflow.tasks import RETRY_IO
 
 

@@ -178,7 +178,7 @@ def test_flow_artifacts_are_readable_through_the_client(tmp_path: Path, prefect_
     table = found["merge-manifest-ckpt-step1"][0]
     assert table.type == "table"
     rows = json.loads(table.data) if isinstance(table.data, str) else table.data
-    assert {r["file"] for r in rows} == {"config.json", "diffusion_pytorch_model.safetensors"}
+    assert {r["file"] for r in rows} == {"README.md", "config.json", "diffusion_pytorch_model.safetensors"}
     assert {r["file"]: r["bytes"] for r in rows} == {r["file"]: (target / r["file"]).stat().st_size for r in rows}
     assert found["merge-summary-ckpt-step1"][0].type == "markdown"
     progress = found["merge-progress-ckpt-step1"][0]

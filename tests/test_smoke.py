@@ -180,3 +180,28 @@ def test_a_modular_minimax_h3_pipeline_runs_its_transformer_forward(tmp_path: Pa
     runtime = item.manifest["runtime"]
     assert runtime["loaded_as"].startswith("MiniMaxH3Transformer3DModel.from_pretrained (transformer/")
     assert runtime["step"].startswith("transformer forward (a modular pipeline") and runtime["output"]["finite"]
+
+
+@pytest.mark.parametrize("adapter_format,loaded", [
+    ("peft", "PeftModel.from_pretrained onto the base transformer"),
+    ("diffusers", "load_lora_adapter onto the base transformer"),
+])
+def test_an_adapter_runs_on_its_base(tmp_path: Path, prefect_api: Any, adapter_format: str, loaded: str) -> None:
+    from lora_builders import build_lora_checkpoint
+    from peft import LoraConfig
+
+    ck = build_lora_checkpoint(tmp_path, "FluxTransformer2DModel",
+                               lambda name: LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v"]),
+                               world_size=2, layout="lora_only")
+    out = Path(merge_model(ck.config(tmp_path / "out", base_model=str(ck.base_dir), adapter_format=adapter_format)).output_dir)
+    with pytest.raises(UsageError, match="needs its base"):
+        run_runtime_check(out)
+    record = run_runtime_check(out, base=ck.base_dir)
+    assert record["loaded_as"] == loaded and record["artifact_type"] == "peft_adapter" and record["output"]["finite"]
+    # The adapter changes the output: the base alone gives another one.
+    import diffusers
+
+    from mergeflow.ops.smoke import transformer_step
+
+    base = diffusers.FluxTransformer2DModel.from_pretrained(ck.base_dir, local_files_only=True)
+    assert transformer_step(base, "cpu", torch.float32) != record["output"]

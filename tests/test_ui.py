@@ -146,7 +146,7 @@ def test_deployment_forms_are_typed(tmp_path: Path, prefect_api: object) -> None
                 deployment.name = f"{deployment.name}-ui-{suffix}"  # never the names a served test waits for
                 deployment.triggers = []  # no automation left behind on the session's server
                 ids.append(deployment.apply())
-            merge, validate, backfill = (client.read_deployment(i) for i in ids)
+            merge, validate, backfill, smoke = (client.read_deployment(i) for i in ids)
         finally:
             for i in ids:
                 client.delete_deployment(i)
@@ -155,6 +155,10 @@ def test_deployment_forms_are_typed(tmp_path: Path, prefect_api: object) -> None
     assert stored["properties"]["quantize"]["enum"] == props["quantize"]["enum"]
     assert stored["definitions"]["CheckpointPayload"]["properties"]["step"]["description"]
     assert validate.parameter_openapi_schema["properties"]["test_hf_dir"]["description"]
+    # The smoke (runtime check) form: typed device and dtype choices, every field described.
+    smoke_props = smoke.parameter_openapi_schema["properties"]
+    assert smoke_props["device"]["enum"] == ["cpu", "cuda"] and smoke_props["dtype"]["enum"] == ["float32", "bfloat16", "float16"]
+    assert all(p.get("description") for p in smoke_props.values())
     # The backfill form: the same choices as the merge's, every field described, train_dir the one to fill in.
     backfill_schema = backfill.parameter_openapi_schema
     backfill_props = backfill_schema["properties"]

@@ -15,9 +15,8 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.errors import HFValidationError
@@ -25,15 +24,19 @@ from huggingface_hub.utils import validate_repo_id
 
 from mergeflow.errors import ArtifactInvalidError, UsageError
 from mergeflow.formats.manifest import Manifest
-from mergeflow.formats.verl_checkpoint import verl_run_step
+from mergeflow.outputs.card_formats import (
+    CardFacts,
+    format_name,
+    library_name,
+    load_snippet,
+    relation,
+)
 
 CARD_NAME = "README.md"
-Relation = Literal["finetune", "adapter", "quantized", "merge"]
 # Architectures (the manifest's root class) whose pipelines make videos, and those that edit images.
 _VIDEO = ("Wan", "LTX2", "MiniMaxH3")
 _EDIT = ("QwenImageEdit",)
 _HF_CACHE_DIR = re.compile(r"^models--(?P<org>[^/]+?)--(?P<name>[^/]+)$")
-ADAPTER_TYPES = ("peft_adapter",)
 
 
 def hub_id(text: str | None) -> str | None:
@@ -80,34 +83,6 @@ def tensors_sha256(tensors: Mapping[str, Any]) -> str:
     return hashlib.sha256(raw).hexdigest()
 
 
-@dataclass(frozen=True)
-class CardFacts:
-    """What the card says beyond the manifest: the base's id, the training run and step, the tensors' file."""
-
-    base_model: str | None
-    run: str | None
-    step: int | None
-    weights_file: str
-    transformer_class: str
-
-    @staticmethod
-    def of(actor_dir: str, base_model: str | None, weights_file: str, transformer_class: str) -> CardFacts:
-        found = verl_run_step(Path(actor_dir)) if actor_dir else None
-        return CardFacts(base_model, found[0] if found else None, found[1] if found else None, weights_file,
-                         transformer_class)
-
-
-def relation(manifest: Manifest) -> Relation:
-    """What the artifact is to its base: an adapter, quantized weights, a fused LoRA (merge) or a fine-tune."""
-    if manifest.artifact_type in ADAPTER_TYPES:
-        return "adapter"
-    if manifest.quantization is not None:
-        return "quantized"
-    if manifest.lora_fusion is not None:
-        return "merge"
-    return "finetune"
-
-
 def pipeline_tag(architecture: str, transformer_class: str) -> str:
     name = architecture or transformer_class
     if name.startswith(_EDIT):
@@ -117,18 +92,9 @@ def pipeline_tag(architecture: str, transformer_class: str) -> str:
     return "text-to-image"
 
 
-def _format(manifest: Manifest) -> str:
-    if manifest.lora_adapter is not None:
-        return f"lora-{manifest.lora_adapter.format}"
-    if manifest.quantization is not None:
-        return str(manifest.quantization.get("method", manifest.artifact_type))
-    return manifest.artifact_type
-
-
 def card_data(manifest: Manifest, facts: CardFacts) -> ModelCardData:
     rel = relation(manifest)
-    adapter_format = manifest.lora_adapter.format if manifest.lora_adapter is not None else None
-    library = "peft" if adapter_format == "peft" else "diffusers"
+    library = library_name(manifest)
     tags = ["mergeflow", manifest.architecture, manifest.artifact_type]
     if rel == "adapter":
         tags.append("lora")
@@ -138,37 +104,6 @@ def card_data(manifest: Manifest, facts: CardFacts) -> ModelCardData:
     return ModelCardData(base_model=facts.base_model, library_name=library,
                          pipeline_tag=pipeline_tag(manifest.architecture, facts.transformer_class),
                          tags=list(dict.fromkeys(tags)), **kwargs)
-
-
-def load_snippet(manifest: Manifest, facts: CardFacts) -> str:
-    """How to load this artifact: Python for its format (`repo`: this folder, or its Hub repo id)."""
-    base = facts.base_model or "BASE_PIPELINE"  # the base pipeline's id or folder, when the card cannot name it
-    head = 'import torch\nfrom diffusers import DiffusionPipeline\n\nrepo = "."  # this folder, or its Hub repo id\n'
-    cls = facts.transformer_class
-    if manifest.lora_adapter is not None:
-        fmt = manifest.lora_adapter.format
-        if fmt == "peft":
-            return (f'{head}pipe = DiffusionPipeline.from_pretrained("{base}", torch_dtype=torch.bfloat16)\n'
-                    "from peft import PeftModel\n"
-                    "pipe.transformer = PeftModel.from_pretrained(pipe.transformer, repo)\n")
-        return (f'{head}pipe = DiffusionPipeline.from_pretrained("{base}", torch_dtype=torch.bfloat16)\n'
-                f'pipe.load_lora_weights(repo, weight_name="{facts.weights_file}")\n')
-    if manifest.artifact_type == "diffusers_transformer":
-        return (f"{head}from diffusers import {cls}\n\n"
-                f"transformer = {cls}.from_pretrained(repo, torch_dtype=torch.bfloat16)\n"
-                f'pipe = DiffusionPipeline.from_pretrained("{base}", transformer=transformer, torch_dtype=torch.bfloat16)\n')
-    if manifest.artifact_type == "gguf":
-        return (f"{head}from diffusers import {cls}, GGUFQuantizationConfig\n\n"
-                f'transformer = {cls}.from_single_file(f"{{repo}}/{facts.weights_file}", '
-                "quantization_config=GGUFQuantizationConfig(compute_dtype=torch.bfloat16), "
-                f'config="{base}", subfolder="transformer")\n')
-    if manifest.artifact_type == "single_file":
-        note = ("# ComfyUI's scaled float8: load it in ComfyUI, or dequantize (weight * scale_weight) first\n"
-                if manifest.quantization is not None else "")
-        return (f"{head}from diffusers import {cls}\n\n{note}"
-                f'transformer = {cls}.from_single_file(f"{{repo}}/{facts.weights_file}", '
-                f'config="{base}", subfolder="transformer", torch_dtype=torch.bfloat16)\n')
-    return f"{head}pipe = DiffusionPipeline.from_pretrained(repo, torch_dtype=torch.bfloat16)\n"
 
 
 def _proven(manifest: Manifest, runtime: Mapping[str, Any] | None) -> str:
@@ -197,7 +132,7 @@ def render(manifest: Manifest, facts: CardFacts, runtime: Mapping[str, Any] | No
                                            if checkpoint.get("fsdp_version") else "FSDP checkpoint")
     base = f"[{facts.base_model}](https://huggingface.co/{facts.base_model})" if facts.base_model else "not named (no Hub id known)"
     body = f"""
-# {manifest.architecture} ({_format(manifest)}) exported by mergeflow
+# {manifest.architecture} ({format_name(manifest)}) exported by mergeflow
 
 A {relation(manifest)} of {base}, written by mergeflow {manifest.producer.get('mergeflow', '')} from an FSDP training checkpoint.
 

@@ -18,7 +18,6 @@ import json
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,17 +28,6 @@ from mergeflow.lora.artifact import adapter_only_root
 DTYPES = ("float32", "bfloat16", "float16")
 PROMPT = "a cat"  # a tiny prompt: the step's cost is the denoiser's, not the text encoder's
 SEED = 0
-# Pipelines whose one-step call cannot run on a tiny pipeline here, and why: their denoiser runs alone.
-PIPELINE_STEP_UNSUPPORTED: dict[str, str] = {}
-
-
-@dataclass(frozen=True)
-class SmokeSettings:
-    """How a merge's --smoke runs the check: device, dtype, and whether the base's remote code may load."""
-
-    device: str = "cpu"
-    dtype: str = "float32"
-    trust_remote_code: bool = False
 
 
 class RuntimeCheckError(MergeflowError):
@@ -210,7 +198,9 @@ def run_runtime_check(artifact: Path, *, device: str = "cpu", dtype: str = "floa
     kind = manifest.get("artifact_type")
     with _measured(device) as measured:
         try:
-            loaded_as, step, output = _load_and_step(root, manifest, device, torch_dtype, base, trust_remote_code)
+            from mergeflow.outputs.smoke_loaders import load_and_step
+
+            loaded_as, step, output = load_and_step(root, manifest, device, torch_dtype, base, trust_remote_code)
         except MergeflowError:
             raise
         except Exception as exc:  # a loader or model failure is the check's result, in one line
@@ -218,49 +208,6 @@ def run_runtime_check(artifact: Path, *, device: str = "cpu", dtype: str = "floa
                                     f"{type(exc).__name__}: {exc}") from exc
     return {"status": "passed", "artifact_type": kind, "loaded_as": loaded_as, "step": step, "device": device,
             "dtype": dtype, "seed": SEED, **measured, "output": output}
-
-
-def _load_and_step(root: Path, manifest: Mapping[str, Any], device: str, dtype: Any, base: Path | None,
-                   trust_remote_code: bool) -> tuple[str, str, dict[str, Any]]:
-    import diffusers
-
-    kind = manifest["artifact_type"]
-    if (root / "model_index.json").is_file():
-        pipe = diffusers.DiffusionPipeline.from_pretrained(str(root), torch_dtype=dtype, local_files_only=True,
-                                                           trust_remote_code=trust_remote_code).to(device)
-        name = type(pipe).__name__
-        why = PIPELINE_STEP_UNSUPPORTED.get(name)
-        if why is None:
-            return f"DiffusionPipeline ({name})", "pipeline, 1 step", pipeline_step(pipe, device)
-        return f"DiffusionPipeline ({name})", f"transformer forward ({why})", transformer_step(pipe.transformer, device, dtype)
-    if (root / "modular_model_index.json").is_file():
-        # A modular pipeline's blocks take their own inputs (no one-call text-to-video entry): its trained
-        # denoiser, loaded by its class from the artifact, runs the step alone.
-        index = json.loads((root / "modular_model_index.json").read_text())
-        component = next(n for n in ("transformer",) if n in index)
-        config = json.loads((root / component / "config.json").read_text())
-        cls = getattr(diffusers, config["_class_name"])
-        model = cls.from_pretrained(str(root / component), torch_dtype=dtype, local_files_only=True).to(device)
-        return (f"{cls.__name__}.from_pretrained ({component}/ of the modular pipeline)",
-                "transformer forward (a modular pipeline has no one-call step)", transformer_step(model, device, dtype))
-    if kind == "minimax_h3_pipeline":
-        raise RuntimeCheckError("no runtime check for MiniMax H3's native package: its transformer is the package's own "
-                                "MiniMaxH3DiTModel, which Diffusers does not load")
-    if kind == "diffusers_transformer":
-        cls = getattr(diffusers, json.loads((root / "config.json").read_text())["_class_name"])
-        model = cls.from_pretrained(str(root), torch_dtype=dtype, local_files_only=True).to(device)
-        return f"{cls.__name__}.from_pretrained", "transformer forward", transformer_step(model, device, dtype)
-    if kind in ("single_file", "gguf"):
-        from mergeflow.ops.smoke_files import load_single_file
-
-        model, loaded_as = load_single_file(root, manifest, dtype)
-        return loaded_as, "transformer forward", transformer_step(model.to(device), device, dtype)
-    if manifest.get("lora_adapter") is not None:
-        from mergeflow.ops.smoke_files import load_adapter
-
-        model, loaded_as = load_adapter(root, manifest, base, dtype)
-        return loaded_as, "transformer forward", transformer_step(model.to(device), device, dtype)
-    raise RuntimeCheckError(f"no runtime check for artifact type {kind!r}")
 
 
 def runtime_markdown(record: Mapping[str, Any]) -> str:

@@ -179,10 +179,10 @@ def validate_artifact_dir(root: Path, verified: Mapping[str, VerifiedFile] | Non
         raise ArtifactInvalidError(f"{root.name} has no {MANIFEST_NAME}; is it a mergeflow artifact?")
     manifest = check_manifest(read_canonical_manifest(manifest_path), artifact_types())
     check_tree_and_hashes(root, manifest["files"], verified=verified)
-    check_card(root, manifest.get("model_card"), manifest["tensors"])  # after the hashes: the card is the listed one
     output = output_for_manifest(manifest)  # the kind of artifact: its own configs and weights are checked
     output.check_configs(root, manifest)
     count = output.check_weights(root, manifest)
+    check_card(root, manifest.get("model_card"), manifest["tensors"])  # the card (hashed above) names these tensors
     if ADAPTER_MANIFEST in manifest["files"]:  # an exported adapter beside the model: an artifact of its own
         inner = validate_artifact_dir(root / ADAPTER_DIR, _below(verified, ADAPTER_DIR))
         if output_for_manifest(inner.manifest).nested_dir != ADAPTER_DIR:

@@ -1,4 +1,7 @@
-"""The runtime check's loaders for single files (plain, FP8, GGUF) and LoRA adapters.
+"""The runtime check's loaders, per output (mergeflow/ops/smoke.py runs the step and checks it).
+
+Pipelines load with DiffusionPipeline (a modular one: its trained transformer), transformers with their
+class, single files (plain, FP8, GGUF) and LoRA adapters as below.
 
 A plain single file goes through Diffusers' own `from_single_file` (with the artifact's config.json). Where
 Diffusers' converter cannot read it (its Flux converter hard-codes FLUX.1's width, so a narrow test model
@@ -16,6 +19,7 @@ from typing import Any
 from mergeflow.architectures.gguf_layout import STRIPPED_PREFIX
 from mergeflow.architectures.original_layout import layout_for
 from mergeflow.errors import UsageError
+from mergeflow.ops.smoke import RuntimeCheckError, pipeline_step, transformer_step
 
 
 def _weights_file(root: Path, manifest: Mapping[str, Any]) -> Path:
@@ -125,3 +129,38 @@ def load_adapter(root: Path, manifest: Mapping[str, Any], base: Path | None, dty
         return pipe.transformer.eval(), "load_lora_weights onto the base pipeline"
     transformer.load_lora_adapter(str(root), weight_name=weights, prefix="transformer")
     return transformer.eval(), "load_lora_adapter onto the base transformer"
+
+
+def load_and_step(root: Path, manifest: Mapping[str, Any], device: str, dtype: Any, base: Path | None,
+                   trust_remote_code: bool) -> tuple[str, str, dict[str, Any]]:
+    import diffusers
+
+    kind = manifest["artifact_type"]
+    if (root / "model_index.json").is_file():
+        pipe = diffusers.DiffusionPipeline.from_pretrained(str(root), torch_dtype=dtype, local_files_only=True,
+                                                           trust_remote_code=trust_remote_code).to(device)
+        return f"DiffusionPipeline ({type(pipe).__name__})", "pipeline, 1 step", pipeline_step(pipe, device)
+    if (root / "modular_model_index.json").is_file():
+        # A modular pipeline's blocks take their own inputs (no one-call text-to-video entry): its trained
+        # denoiser, loaded by its class from the artifact, runs the step alone.
+        index = json.loads((root / "modular_model_index.json").read_text())
+        component = next(n for n in ("transformer",) if n in index)
+        config = json.loads((root / component / "config.json").read_text())
+        cls = getattr(diffusers, config["_class_name"])
+        model = cls.from_pretrained(str(root / component), torch_dtype=dtype, local_files_only=True).to(device)
+        return (f"{cls.__name__}.from_pretrained ({component}/ of the modular pipeline)",
+                "transformer forward (a modular pipeline has no one-call step)", transformer_step(model, device, dtype))
+    if kind == "minimax_h3_pipeline":
+        raise RuntimeCheckError("no runtime check for MiniMax H3's native package: its transformer is the package's own "
+                                "MiniMaxH3DiTModel, which Diffusers does not load")
+    if kind == "diffusers_transformer":
+        cls = getattr(diffusers, json.loads((root / "config.json").read_text())["_class_name"])
+        model = cls.from_pretrained(str(root), torch_dtype=dtype, local_files_only=True).to(device)
+        return f"{cls.__name__}.from_pretrained", "transformer forward", transformer_step(model, device, dtype)
+    if kind in ("single_file", "gguf"):
+        model, loaded_as = load_single_file(root, manifest, dtype)
+        return loaded_as, "transformer forward", transformer_step(model.to(device), device, dtype)
+    if manifest.get("lora_adapter") is not None:
+        model, loaded_as = load_adapter(root, manifest, base, dtype)
+        return loaded_as, "transformer forward", transformer_step(model.to(device), device, dtype)
+    raise RuntimeCheckError(f"no runtime check for artifact type {kind!r}")
