@@ -132,10 +132,11 @@ def runtime_rows(record: Mapping[str, Any] | None) -> list[str]:
     if not record:
         return ["| runtime check | not_run (merge without --smoke) |"]
     output = record.get("output") or {}
-    return [f"| runtime check | {record.get('status')}: {record.get('loaded_as')}, {record.get('step')} on "
-            f"{record.get('device')} ({record.get('dtype')}) in {record.get('seconds')} s, peak "
-            f"{human_bytes(int(record.get('peak_memory_bytes') or 0))}; output {output.get('shape')} finite, "
-            f"mean {output.get('mean')}, std {output.get('std')} |"]
+    row = (f"| runtime check | {record.get('status')}: {record.get('loaded_as')}, {record.get('step')} on "
+           f"{record.get('device')} ({record.get('dtype')}) in {record.get('seconds')} s, peak "
+           f"{human_bytes(int(record.get('peak_memory_bytes') or 0))}; output {output.get('shape')} finite, "
+           f"mean {output.get('mean')}, std {output.get('std')} |")
+    return [row]
 
 
 def card_rows(record: Mapping[str, Any] | None) -> list[str]:

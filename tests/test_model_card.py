@@ -98,7 +98,7 @@ def test_adapter_and_fused_cards(tmp_path: Path, prefect_api: Any) -> None:
                                layout="lora_only")
     # A LoRA-only adapter's base is a Hub id: the card names it; the adapter directory is the repo.
     out = Path(merge_model(ck.config(tmp_path / "a" / "out", base_model=BASE_ID)).output_dir)
-    card, manifest = _card(out / "lora_adapter")
+    card, _ = _card(out / "lora_adapter")
     assert card.data.base_model == BASE_ID and card.data.base_model_relation == "adapter"
     assert card.data.library_name == "peft" and "lora" in card.data.tags
     assert "PeftModel.from_pretrained" in card.text

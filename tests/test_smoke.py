@@ -23,7 +23,12 @@ from fixtures.pipelines_image import (
     tiny_qwenimage_transformer,
     tiny_sd3_transformer,
 )
-from fixtures.pipelines_video import build_ltx2_pipeline, build_wan_pipeline, tiny_ltx2_transformer, tiny_wan_transformer
+from fixtures.pipelines_video import (
+    build_ltx2_pipeline,
+    build_wan_pipeline,
+    tiny_ltx2_transformer,
+    tiny_wan_transformer,
+)
 from huggingface_hub import ModelCard
 from pipeline_builders import Exported, export, make_actor
 
@@ -149,7 +154,12 @@ def test_a_non_finite_model_fails_the_merge_and_publishes_nothing(tmp_path: Path
     import copy
 
     from builders import Export
-    from mergeflow.demo.checkpoints import build_transformer, save_base_transformer, save_fsdp_checkpoint
+
+    from mergeflow.demo.checkpoints import (
+        build_transformer,
+        save_base_transformer,
+        save_fsdp_checkpoint,
+    )
 
     base = build_transformer("FluxTransformer2DModel", seed=0)
     base_dir = save_base_transformer(base, tmp_path / "base")
