@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from mergeflow.errors import ArtifactInvalidError, MergeflowError, UsageError
+from mergeflow.errors import ArtifactInvalidError, MergeflowError, UsageError, one_line
 from mergeflow.formats.manifest import MANIFEST_NAME
 from mergeflow.lora.artifact import adapter_only_root
 
@@ -205,7 +205,7 @@ def run_runtime_check(artifact: Path, *, device: str = "cpu", dtype: str = "floa
             raise
         except Exception as exc:  # a loader or model failure is the check's result, in one line
             raise RuntimeCheckError(f"the runtime check failed loading or running the {kind}: "
-                                    f"{type(exc).__name__}: {exc}") from exc
+                                    f"{type(exc).__name__}: {one_line(str(exc))}") from exc
     return {"status": "passed", "artifact_type": kind, "loaded_as": loaded_as, "step": step, "device": device,
             "dtype": dtype, "seed": SEED, **measured, "output": output}
 
