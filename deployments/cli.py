@@ -24,7 +24,7 @@ from mergeflow.config import (
     SIGN_KEY_ENV,
 )
 from mergeflow.flows import cli
-from mergeflow.flows.ops_cli import add_task_runner_flags
+from mergeflow.flows.ops_cli import add_smoke_flags, add_task_runner_flags
 from mergeflow.ops.serve_settings import ServeSettings
 
 
@@ -57,6 +57,7 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     serve.add_argument("--sign-key", "--sign_key", dest="sign_key", metavar="PEM", default=os.environ.get(SIGN_KEY_ENV) or None,
                        help=f"sign every export before publishing (OpenSSF model signing) with this elliptic-curve "
                             f"private key (default: ${SIGN_KEY_ENV})")
+    add_smoke_flags(serve)
     serve.add_argument("--limit", type=int, default=1, help="merges running at the same time")
     add_task_runner_flags(serve)
     serve.add_argument("--debug", action="store_true", help="show tracebacks and Prefect's console logs")
@@ -79,6 +80,7 @@ def cmd_serve(args: argparse.Namespace) -> ServeResult:
         checkpoint_roots=tuple(args.checkpoint_roots), allowed_base_models=tuple(args.allowed_base_models),
         quantize=args.quantize,
         extract_lora=args.extract_lora, extract_energy=args.extract_energy, sign_key=args.sign_key,
+        smoke=args.smoke, smoke_device=args.smoke_device, base_model_id=args.base_model_id,
     ).checked()  # merge's pre-flight on serve's settings: what every triggered run would fail on, before any server
     use_prefect_api("serve")  # before Prefect is imported (the next import): it reads PREFECT_API_URL then
     from mergeflow.deployments.serve import serve_deployments, served_names

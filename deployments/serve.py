@@ -2,6 +2,7 @@
 
 - `mergeflow-merge-checkpoint/on-checkpoint`: one run per `mergeflow.checkpoint.saved` event.
 - `mergeflow-validate/validate`: re-check a published artifact (or a failed merge's kept staging).
+- `mergeflow-smoke/smoke`: the runtime check (one denoising step) of a published artifact, rerun alone.
 - `mergeflow-backfill/backfill`: no trigger, run on demand (`prefect deployment run
   mergeflow-backfill/backfill --param train_dir=/checkpoints/run-a`, or the UI's form): exports
   every complete, unpublished global_step_N of a training run with serve's settings, to the
@@ -23,11 +24,13 @@ from mergeflow.events import EVENT_CHECKPOINT_SAVED, RESOURCE_PREFIX
 from mergeflow.flows.backfill_flow import backfill_flow
 from mergeflow.flows.checkpoint import merge_checkpoint_flow
 from mergeflow.flows.events import reachable_api_url
+from mergeflow.flows.smoke import smoke_flow
 from mergeflow.flows.validate import validate_flow
 from mergeflow.ops.serve_settings import ServeSettings
 
 MERGE_DEPLOYMENT = "on-checkpoint"
 VALIDATE_DEPLOYMENT = "validate"
+SMOKE_DEPLOYMENT = "smoke"
 BACKFILL_DEPLOYMENT = "backfill"
 TRIGGER_NAME = "mergeflow-checkpoint-saved"
 # One parameter carries the whole payload: `{{ event.payload.<key> }}` for an optional key the
@@ -70,13 +73,21 @@ def build_deployments(settings: ServeSettings) -> list[RunnerDeployment]:
         tags=["mergeflow"],
         entrypoint_type=EntrypointType.MODULE_PATH,
     )
-    return [merge, validate, backfill]
+    smoke = smoke_flow.to_deployment(
+        name=SMOKE_DEPLOYMENT,
+        parameters={"within": settings.target_root, "served_base": settings.base_model},
+        description="Runtime check: load a published artifact with Diffusers and run one denoising step; "
+                    "reports, never rewrites the artifact.",
+        tags=["mergeflow"],
+        entrypoint_type=EntrypointType.MODULE_PATH,
+    )
+    return [merge, validate, backfill, smoke]
 
 
 def served_names() -> list[str]:
     """`<flow>/<deployment>` of every deployment `serve` registers (what `prefect deployment run` takes)."""
     return [f"{merge_checkpoint_flow.name}/{MERGE_DEPLOYMENT}", f"{validate_flow.name}/{VALIDATE_DEPLOYMENT}",
-            f"{backfill_flow.name}/{BACKFILL_DEPLOYMENT}"]
+            f"{backfill_flow.name}/{BACKFILL_DEPLOYMENT}", f"{smoke_flow.name}/{SMOKE_DEPLOYMENT}"]
 
 
 def serve_deployments(settings: ServeSettings, *, limit: int | None = 1) -> None:
@@ -86,7 +97,7 @@ def serve_deployments(settings: ServeSettings, *, limit: int | None = 1) -> None
     settings = settings.checked()
     # Without an API URL, serve would start a private temporary server no training job can reach.
     reachable_api_url()
-    feed = RunFeed([merge_checkpoint_flow.name, validate_flow.name, backfill_flow.name])  # one line per run started and finished
+    feed = RunFeed([merge_checkpoint_flow.name, validate_flow.name, backfill_flow.name, smoke_flow.name])  # one line per run started and finished
     feed.start()
     try:
         serve(*build_deployments(settings), limit=limit)

@@ -58,8 +58,8 @@ LAYER_MEANINGS = {
     "source_round_trip": "every reconstructed tensor re-sliced and compared bit for bit with each rank's shard",
     "artifact_round_trip": "every written shard reopened and its tensors compared with what was meant to be written",
     "integrity": "copied files' hashes equal the base's, inputs unchanged, the staged tree passed `mergeflow test`",
-    "runtime": "loading and running the model; `not_run` means mergeflow never ran the model (no GPU run is part "
-               "of an export): load it in your own pipeline to check inference",
+    "runtime": "loaded with Diffusers and one denoising step run (finite output of the expected shape); `not_run`: "
+               "merge ran without --smoke (run `mergeflow smoke --test_hf_dir OUT`, or the smoke deployment)",
 }
 
 
@@ -111,6 +111,8 @@ def summary_markdown(plan: MergePlan, manifest: Manifest, output_dir: str, total
         f"| files | {len(manifest.files) + 1} ({human_bytes(total_bytes)}) |",
         f"| dtype policy | {manifest.dtype} |",
         *quantization_rows(manifest.quantization),
+        *runtime_rows(manifest.runtime),
+        *card_rows(manifest.model_card),
         f"| source fingerprint | `{manifest.source_fingerprint[:16]}` |",
         "",
         "## Verification (all before publication)",
@@ -149,6 +151,26 @@ def seal_markdown(output_dir: Path) -> str:
               "Verify it with the standard tool, or with mergeflow, given the signer's public key:", "",
               f"```\n{verify}\n```"]
     return "\n".join(lines)
+
+
+def runtime_rows(record: Mapping[str, Any] | None) -> list[str]:
+    """The runtime check's row (merge --smoke): how it loaded, where it ran, how long, what came out."""
+    if not record:
+        return ["| runtime check | not_run (merge without --smoke) |"]
+    output = record.get("output") or {}
+    row = (f"| runtime check | {record.get('status')}: {record.get('loaded_as')}, {record.get('step')} on "
+           f"{record.get('device')} ({record.get('dtype')}) in {record.get('seconds')} s, peak "
+           f"{human_bytes(int(record.get('peak_memory_bytes') or 0))}; output {output.get('shape')} finite, "
+           f"mean {output.get('mean')}, std {output.get('std')} |")
+    return [row]
+
+
+def card_rows(record: Mapping[str, Any] | None) -> list[str]:
+    """The model card's row: what the Hub will show as its base and relation."""
+    if not record:
+        return []
+    base = record.get("base_model") or "not named (no Hub id known; --base-model-id names it)"
+    return [f"| model card | README.md: {record.get('base_model_relation')} of {base} |"]
 
 
 def quantization_rows(record: Mapping[str, Any] | None) -> list[str]:

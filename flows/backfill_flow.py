@@ -24,6 +24,7 @@ from mergeflow.config import (
     ModelMergerConfig,
     OutputFormat,
     Quantize,
+    SmokeDevice,
     TaskRunner,
 )
 from mergeflow.errors import UsageError
@@ -78,6 +79,9 @@ def backfill_flow(
     extract_energy: float | None = None,
     deployment: str | None = None,
     sign_key: str | None = None,
+    smoke: bool = False,
+    smoke_device: SmokeDevice = "cpu",
+    base_model_id: str | None = None,
 ) -> BackfillSummary:
     """Export every complete, unpublished global_step_N of a training run, oldest first.
 
@@ -102,6 +106,9 @@ def backfill_flow(
             its work pool's workers, all dispatched at once; None: each step in turn, here, as a subflow.
         sign_key: Absolute path of an elliptic-curve private key (PEM) on the worker: each step is signed
             (OpenSSF model signing, model.sig) before it is published. Default: the worker's MERGEFLOW_SIGN_KEY.
+        smoke: Run the runtime check (one denoising step) before each step's publication.
+        smoke_device: cpu, or cuda where the worker has one.
+        base_model_id: The base's Hub id for the model cards (org/name).
     """
     # A served run: its paths come from a form or the API, so they get the limits serve gives events.
     confinement = Confinement.of(checkpoint_roots, target_root, [base_model]) if checkpoint_roots is not None else None
@@ -112,7 +119,7 @@ def backfill_flow(
                                 output_format=output_format, dtype=dtype, allow_unchanged=allow_unchanged,
                                 stable_seconds=stable_seconds, max_shard_size=max_shard_size, workers=workers,
                                 quantize=quantize, extract_lora=extract_lora, extract_energy=extract_energy,
-                                sign_key=sign_key)
+                                sign_key=sign_key, smoke=smoke, smoke_device=smoke_device, base_model_id=base_model_id)
     if deployment:
         return _fan_out(settings, deployment, task_runner, dask_address, logger)
     runner = make_task_runner(task_runner, workers=workers, dask_address=dask_address)
@@ -138,7 +145,8 @@ def _fan_out(settings: BackfillSettings, deployment: str, task_runner: TaskRunne
         "output_format": settings.output_format, "dtype": settings.dtype, "max_shard_size": settings.max_shard_size,
         "workers": settings.workers, "task_runner": task_runner, "dask_address": dask_address,
         "quantize": settings.quantize, "extract_lora": settings.extract_lora, "extract_energy": settings.extract_energy,
-        "sign_key": settings.sign_key})
+        "sign_key": settings.sign_key, "smoke": settings.smoke, "smoke_device": settings.smoke_device,
+        "base_model_id": settings.base_model_id})
     results = settle(backfill(settings, fan), fan.wait())
     for result in results:
         logger.info("%s", result.line())

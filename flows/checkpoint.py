@@ -28,6 +28,7 @@ from mergeflow.config import (
     OutputFormat,
     PublishedMerge,
     Quantize,
+    SmokeDevice,
     TaskRunner,
 )
 from mergeflow.errors import UsageError
@@ -79,6 +80,9 @@ def resolve_checkpoint_config(
     extract_lora: int | None = None,
     extract_energy: float | None = None,
     sign_key: str | None = None,
+    smoke: bool = False,
+    smoke_device: SmokeDevice = "cpu",
+    base_model_id: str | None = None,
 ) -> ModelMergerConfig:
     """The merge config for one event payload; payload keys override the served defaults.
 
@@ -118,6 +122,9 @@ def resolve_checkpoint_config(
         extract_lora=extract_lora,
         extract_energy=extract_energy,
         sign_key=sign_key,  # the deployment's, never the event's: who signs is the operator's choice
+        smoke=smoke,
+        smoke_device=smoke_device,
+        base_model_id=checkpoint.get("base_model_id") or base_model_id,
     )
     config.validate()
     return config
@@ -176,6 +183,9 @@ def merge_checkpoint_flow(
     extract_lora: int | None = None,
     extract_energy: float | None = None,
     sign_key: str | None = None,
+    smoke: bool = False,
+    smoke_device: SmokeDevice = "cpu",
+    base_model_id: str | None = None,
 ) -> PublishedMerge:
     """Export the checkpoint an event names (payload keys override these defaults).
 
@@ -202,13 +212,17 @@ def merge_checkpoint_flow(
         extract_energy: With extract_lora: per layer the smallest rank keeping this fraction of ||dW||, capped at it.
         sign_key: Absolute path of an elliptic-curve private key (PEM) on the worker: each export is signed
             (OpenSSF model signing, model.sig) before it is published. Default: the worker's MERGEFLOW_SIGN_KEY.
+        smoke: Run the runtime check (load with Diffusers, one denoising step) before publishing; a failure publishes nothing.
+        smoke_device: cpu, or cuda where the worker has one.
+        base_model_id: The base's Hub id for the model card (org/name) when base_model is a local folder.
     """
     payload = payload_dict(checkpoint)
     confinement = Confinement.of(checkpoint_roots, target_root, [b for b in (base_model, *(allowed_base_models or ())) if b])
     config = resolve_checkpoint_config(
         payload, confinement=confinement, base_model=base_model, target_root=target_root, output_format=output_format, dtype=dtype,
         max_shard_size=max_shard_size, hf_upload_path=hf_upload_path, private=private, workers=workers, quantize=quantize,
-        extract_lora=extract_lora, extract_energy=extract_energy, sign_key=sign_key,
+        extract_lora=extract_lora, extract_energy=extract_energy, sign_key=sign_key, smoke=smoke,
+        smoke_device=smoke_device, base_model_id=base_model_id,
     )
     target = Path(str(config.target_dir))
     if not Path(confinement.target_root).is_dir():

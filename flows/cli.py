@@ -24,6 +24,8 @@ from mergeflow.config import (
     QKV_LAYOUTS,
     QUANTIZATIONS,
     SIGN_KEY_ENV,
+    SMOKE_DEVICES,
+    SMOKE_DTYPES,
     ModelMergerConfig,
     PublishedMerge,
     UploadSummary,
@@ -34,6 +36,7 @@ from mergeflow.flows.ops_cli import (
     OPS_COMMANDS,
     add_backfill_command,
     add_ops_commands,
+    add_smoke_flags,
     add_task_runner_flags,
     backfill_settings,
 )
@@ -187,6 +190,9 @@ def build_parser(more: Verbs = NO_VERBS) -> argparse.ArgumentParser:
     _flag(merge, "--sign-key", "--sign_key", dest="sign_key", metavar="PEM",
           help=f"sign the artifact before publishing (OpenSSF model signing) with this elliptic-curve private key "
                f"(default: ${SIGN_KEY_ENV})")
+    add_smoke_flags(merge)
+    _flag(merge, "--smoke-dtype", "--smoke_dtype", dest="smoke_dtype", default="float32", choices=SMOKE_DTYPES,
+          help="dtype the --smoke check loads and runs the model in")
     add_task_runner_flags(merge)
 
     test = command("test", "validate a published artifact without its source")
@@ -195,6 +201,16 @@ def build_parser(more: Verbs = NO_VERBS) -> argparse.ArgumentParser:
           help="the artifact (or a failed export's staging directory)")
     _flag(test, "--verify-key", "--verify_key", dest="verify_key", metavar="PUB",
           help="also verify the artifact's OpenSSF model signature (model.sig) with this elliptic-curve public key")
+
+    smoke = command("smoke", "runtime check: load a published artifact with Diffusers and run one denoising step")
+    _flag(smoke, "--test_hf_dir", "--test-hf-dir", dest="test_hf_dir", required=True, help="the published artifact")
+    _flag(smoke, "--device", default="cpu", choices=SMOKE_DEVICES, help="where to run it (cuda: refused where there is none)")
+    _flag(smoke, "--dtype", default="float32", choices=SMOKE_DTYPES, help="dtype the model is loaded and run in")
+    _flag(smoke, "--base_model", "--base-model", dest="base_model",
+          help="local base pipeline or transformer a LoRA adapter is loaded onto")
+    _flag(smoke, "--trust-remote-code", "--trust_remote_code", dest="trust_remote_code", action="store_true",
+          help="allow a pipeline's own code (e.g. Boogu) to load")
+    _debug(smoke)
 
     inspect = command("inspect", "describe a checkpoint without exporting it")
     _flag(inspect, "--local_dir", "--local-dir", dest="local_dir", required=True, help="the checkpoint's actor directory")
@@ -311,6 +327,17 @@ def cmd_test(args: argparse.Namespace) -> IntegrityResult:
     return check_artifact(args.test_hf_dir, args.verify_key)
 
 
+def cmd_smoke(args: argparse.Namespace) -> dict[str, Any]:
+    from mergeflow.ops.smoke import check_device
+
+    check_device(args.device)  # one line before any server starts
+    with _running_flows():
+        from mergeflow.flows.smoke import smoke_flow
+
+        return smoke_flow(test_hf_dir=args.test_hf_dir, device=args.device, dtype=args.dtype, base_model=args.base_model,
+                          trust_remote_code=args.trust_remote_code)
+
+
 def cmd_inspect(args: argparse.Namespace) -> CheckpointDescription:
     from pathlib import Path
 
@@ -357,6 +384,7 @@ def cmd_server(args: argparse.Namespace) -> ServerStatus | ServerStopped:
 COMMANDS: dict[str, Command] = {
     "merge": cmd_merge,
     "test": cmd_test,
+    "smoke": cmd_smoke,
     "inspect": cmd_inspect,
     "demo": cmd_demo,
     "upload": cmd_upload,

@@ -38,6 +38,7 @@ from mergeflow.flows.progress import (
     INSPECTING,
     LOADING,
     PUBLISHING,
+    SMOKING,
     UPLOADING,
     VALIDATING,
     RunProgress,
@@ -48,6 +49,7 @@ from mergeflow.records import (
     Manifest,
     MergePlan,
     ShardRecord,
+    SmokeSettings,
     TensorLayout,
     ValidationReport,
 )
@@ -63,6 +65,7 @@ from mergeflow.tasks.lora import (
 )
 from mergeflow.tasks.publish import publish, seal, write_metadata
 from mergeflow.tasks.reconstruct import plan_reconstruction
+from mergeflow.tasks.smoke import runtime_check_staged_task
 from mergeflow.tasks.upload import upload_to_hub
 from mergeflow.tasks.validate import guard_unchanged_task, validate_staged_task
 from mergeflow.tasks.write import write_shard
@@ -120,14 +123,15 @@ def load_layouts(plan: MergePlan, progress: RunProgress) -> dict[str, TensorLayo
     return combine_rank_layouts(light(indexes))
 
 
-def run_export(plan: MergePlan, allow_unchanged: bool = False) -> tuple[dict[str, str], Manifest]:
-    """The steps after inspection, run while the target lock is held."""
+def run_export(plan: MergePlan, allow_unchanged: bool = False,
+               smoke: SmokeSettings | None = None) -> tuple[dict[str, str], Manifest]:
+    """The steps after inspection, run while the target lock is held (`smoke`: the runtime check before validation)."""
     logger = get_run_logger()
     prepare_staging(plan)
     progress = merge_progress()
     layouts = load_layouts(plan, progress)
     if plan.extract is not None:
-        return run_extraction_export(plan, layouts, progress)
+        return run_extraction_export(plan, layouts, progress, smoke)
     lora = plan_lora(light(plan), light(layouts)) if plan.lora is not None else None
     hashes: list[PrefectFuture[str]] | None = None
     adapter = None
@@ -135,9 +139,10 @@ def run_export(plan: MergePlan, allow_unchanged: bool = False) -> tuple[dict[str
         hashes = submit_rank_hashes(plan)  # the adapter's own manifest lists the rank files' digests
         adapter = write_lora_adapter(light(plan), light(lora), light(layouts), rank_digests(plan, hashes))
     if lora is not None and not lora.writes_model:  # a LoRA-only adapter export: lora_adapter/ is the artifact
+        manifest = smoke_staged(plan, adapter.manifest, smoke, adapter.shard.file_name)
         progress.begin(VALIDATING)
-        report = validate_staged_task(light(plan), light(adapter.manifest), light(adapter.verified()))
-        return seal_and_publish(plan, report), adapter.manifest
+        report = validate_staged_task(light(plan), light(manifest), light(adapter.verified()))
+        return seal_and_publish(plan, report), manifest
     # The tensors to write (an architecture adapter's conversion and the output's key mapping applied), packed
     # into the output's files by its writer: sharded safetensors, or one file.
     output = (plan_lora_writes(light(plan), light(lora), light(layouts)) if lora is not None
@@ -168,6 +173,7 @@ def run_export(plan: MergePlan, allow_unchanged: bool = False) -> tuple[dict[str
     verified = {plan.output.relative(r.file_name): r.verified() for r in ordered}
     if adapter is not None:
         verified.update(adapter.verified())
+    manifest = smoke_staged(plan, manifest, smoke)
     progress.begin(VALIDATING)
     report = validate_staged_task(light(plan), light(manifest), light(verified))
     progress.begin(PUBLISHING)
@@ -180,8 +186,17 @@ def seal_and_publish(plan: MergePlan, report: ValidationReport) -> dict[str, str
     return publish(light(plan), light(report), seal(light(plan), light(report)))
 
 
+def smoke_staged(plan: MergePlan, manifest: Manifest, smoke: SmokeSettings | None,
+                 adapter_file: str | None = None) -> Manifest:
+    """--smoke: the runtime check on the staged artifact, its record in the manifest; else the manifest as it is."""
+    if smoke is None:
+        return manifest
+    merge_progress().begin(SMOKING)
+    return runtime_check_staged_task(light(plan), light(manifest), smoke, adapter_file)
+
+
 def run_extraction_export(plan: MergePlan, layouts: dict[str, TensorLayout],
-                          progress: RunProgress) -> tuple[dict[str, str], Manifest]:
+                          progress: RunProgress, smoke: SmokeSettings | None = None) -> tuple[dict[str, str], Manifest]:
     """--extract-lora: the factors of every changed linear, then lora_adapter/ alone is the artifact."""
     hashes = submit_rank_hashes(plan)  # hashed while the SVDs run
     extraction = extract_lora(light(plan), light(layouts))
@@ -191,10 +206,11 @@ def run_extraction_export(plan: MergePlan, layouts: dict[str, TensorLayout],
                           summary["adapter_factor_bytes"], summary["size_ratio"])
     adapter = write_lora_adapter(light(plan), light(extraction.lora), light(layouts), rank_digests(plan, hashes),
                                  light(extraction))
+    manifest = smoke_staged(plan, adapter.manifest, smoke, adapter.shard.file_name)
     progress.begin(VALIDATING)
-    report = validate_staged_task(light(plan), light(adapter.manifest), light(adapter.verified()))
+    report = validate_staged_task(light(plan), light(manifest), light(adapter.verified()))
     progress.begin(PUBLISHING)
-    return seal_and_publish(plan, report), adapter.manifest
+    return seal_and_publish(plan, report), manifest
 
 
 @flow(name="mergeflow-merge", flow_run_name=merge_run_name, persist_result=True, validate_parameters=True,
@@ -212,7 +228,9 @@ def merge_flow(config: ModelMergerConfig) -> PublishedMerge:  # its result is th
             merge_progress().begin(INSPECTING)
             plan = inspect_inputs(config)
             with target_locked(plan):
-                result, manifest = run_export(plan, config.allow_unchanged)
+                smoke = (SmokeSettings(config.smoke_device, config.smoke_dtype, config.trust_remote_code)
+                         if config.smoke else None)
+                result, manifest = run_export(plan, config.allow_unchanged, smoke)
     finally:
         leave()  # nothing process-wide to clear: the session goes with the export
     label = export_label(plan.output.target, plan.checkpoint.actor_dir)  # the progress artifact's key too

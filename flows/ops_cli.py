@@ -19,6 +19,7 @@ from mergeflow.config import (
     OUTPUT_FORMATS,
     QUANTIZATIONS,
     SIGN_KEY_ENV,
+    SMOKE_DEVICES,
     TASK_RUNNERS,
 )
 from mergeflow.errors import ConcurrentExportError
@@ -83,16 +84,28 @@ def add_backfill_command(sub: argparse._SubParsersAction) -> None:  # type: igno
     parser.add_argument("--sign-key", "--sign_key", dest="sign_key", metavar="PEM",
                         help=f"sign each step before publishing (OpenSSF model signing) with this elliptic-curve private "
                              f"key (default: ${SIGN_KEY_ENV})")
+    add_smoke_flags(parser)
     parser.add_argument("--stable-seconds", dest="stable_seconds", type=float, default=5.0,
                         help="a checkpoint must stay unchanged this long to count as complete (as for watch)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and Prefect's console logs")
 
 
+def add_smoke_flags(parser: argparse.ArgumentParser) -> None:
+    """--smoke, --smoke-device and --base-model-id: the runtime check and the model card's base (merge, serve, backfill)."""
+    parser.add_argument("--smoke", action="store_true",
+                        help="before publishing, load the artifact with Diffusers and run one denoising step; "
+                             "a failure publishes nothing")
+    parser.add_argument("--smoke-device", "--smoke_device", dest="smoke_device", default="cpu", choices=SMOKE_DEVICES,
+                        help="where --smoke runs (cuda: refused where there is none)")
+    parser.add_argument("--base-model-id", "--base_model_id", dest="base_model_id", metavar="ORG/NAME",
+                        help="the base's Hub id, for the model card's base_model (when --base_model is a local folder)")
+
 def backfill_settings(args: argparse.Namespace) -> BackfillSettings:
     return BackfillSettings(train_dir=args.train_dir, base_model=args.base_model, target_root=args.target_root,
                             run_name=args.run_name, output_format=args.output_format, dtype=args.dtype, quantize=args.quantize,
                             allow_unchanged=args.allow_unchanged, stable_seconds=args.stable_seconds,
-                            extract_lora=args.extract_lora, extract_energy=args.extract_energy, sign_key=args.sign_key)
+                            extract_lora=args.extract_lora, extract_energy=args.extract_energy, sign_key=args.sign_key,
+                            smoke=args.smoke, smoke_device=args.smoke_device, base_model_id=args.base_model_id)
 
 
 @contextmanager

@@ -33,6 +33,7 @@ from mergeflow.export.progress import (
     LOADING,
     MERGE_PROGRESS,
     PUBLISHING,
+    SMOKING,
     UPLOADING,
     VALIDATING,
     WRITING,
@@ -174,10 +175,10 @@ def _resumed(future: Any) -> bool:
 # --- stderr --------------------------------------------------------------------------------------
 
 PREFIX = "mergeflow: "
-_PAST = {INSPECTING: "inspected the checkpoint", LOADING: "loaded", HASHING: "hashed", VALIDATING: "validated",
+_PAST = {INSPECTING: "inspected the checkpoint", LOADING: "loaded", HASHING: "hashed", SMOKING: "ran one step", VALIDATING: "validated",
          PUBLISHING: "published", UPLOADING: "uploaded"}
 _BAR_LABEL = {INSPECTING: "inspecting", LOADING: "loading ranks", WRITING: "writing", HASHING: "hashing rank files",
-              VALIDATING: "validating", PUBLISHING: "publishing", UPLOADING: "uploading"}
+              SMOKING: "running one step", VALIDATING: "validating", PUBLISHING: "publishing", UPLOADING: "uploading"}
 
 
 def _count(n: int, thing: str) -> str:

@@ -25,6 +25,8 @@ QkvLayout = Literal["interleaved", "stacked"]
 # output takes which value is the output's own (ModelOutput.quantizations).
 Quantize = Literal["none", "fp8", "bf16", "q8_0"]
 TaskRunner = Literal["thread", "dask"]
+SmokeDevice = Literal["cpu", "cuda"]  # where the runtime check runs (mergeflow/ops/smoke.py)
+SmokeDtype = Literal["float32", "bfloat16", "float16"]
 
 
 # The --output_format choices. Owned here, so every entry point reads one list; an output that
@@ -51,6 +53,8 @@ ADAPTER_FORMATS: tuple[AdapterFormat, ...] = get_args(AdapterFormat)
 QKV_LAYOUTS: tuple[QkvLayout, ...] = get_args(QkvLayout)
 QUANTIZATIONS: tuple[Quantize, ...] = get_args(Quantize)
 TASK_RUNNERS: tuple[TaskRunner, ...] = get_args(TaskRunner)
+SMOKE_DEVICES: tuple[SmokeDevice, ...] = get_args(SmokeDevice)
+SMOKE_DTYPES: tuple[SmokeDtype, ...] = get_args(SmokeDtype)
 DEFAULT_OUTPUT_FORMAT: OutputFormat = "pipeline"
 DEFAULT_ADAPTER_FORMAT: AdapterFormat = "peft"
 DEFAULT_DTYPE: Dtype = "preserve"
@@ -97,6 +101,12 @@ class ModelMergerConfig:
     # --sign-key PEM: sign the artifact (OpenSSF model signing, mergeflow/signing.py) before it is published;
     # unset, the environment's MERGEFLOW_SIGN_KEY (SIGN_KEY_ENV) applies, in whichever process plans the export.
     sign_key: str | None = None
+    # The model card's base_model when the base is a local folder that does not tell its Hub id (mergeflow/hub/model_card.py).
+    base_model_id: str | None = None
+    # --smoke: run the runtime check (one denoising step, mergeflow/ops/smoke.py) on the staged artifact before publishing.
+    smoke: bool = False
+    smoke_device: SmokeDevice = "cpu"
+    smoke_dtype: SmokeDtype = "float32"
 
     def __post_init__(self) -> None:
         if self.sign_key is None and self.operation == "merge":
@@ -161,6 +171,17 @@ class ModelMergerConfig:
         from mergeflow.lora.extract_spec import check_settings
 
         check_settings(self.extract_lora, self.extract_energy)
+        from mergeflow.hub.model_card import check_base_model_id
+
+        check_base_model_id(self.base_model_id)
+        if self.smoke_device not in SMOKE_DEVICES:
+            raise UsageError(f"--smoke-device must be one of {', '.join(SMOKE_DEVICES)}, not {self.smoke_device!r}")
+        if self.smoke_dtype not in SMOKE_DTYPES:
+            raise UsageError(f"--smoke-dtype must be one of {', '.join(SMOKE_DTYPES)}, not {self.smoke_dtype!r}")
+        if self.smoke:
+            from mergeflow.ops.smoke import check_device
+
+            check_device(self.smoke_device)  # a device this machine lacks: refused before any work
         if self.hf_upload_path is not None and self.hf_upload_path.count("/") != 1:
             raise UsageError(f"--hf_upload_path must look like ORG/REPO, not {self.hf_upload_path!r}")
 

@@ -88,6 +88,7 @@ class BaseInputs:
     component_dir: str  # the trained component's directory in the base ("" when not local)
     files: dict[str, str]  # base-relative path -> sha256
     copy_files: tuple[str, ...] = ()  # copied into the artifact (pipeline output)
+    hub_id: str | None = None  # the base's Hub model id when known: the model card's base_model
 
 
 @dataclass(frozen=True)
@@ -335,3 +336,12 @@ class SealRecord:
     @property
     def files_added(self) -> int:
         return 1 if self.signed_by is None else 2
+
+
+@dataclass(frozen=True)
+class SmokeSettings:
+    """How a merge's --smoke runs the check: device, dtype, and whether the base's remote code may load."""
+
+    device: str = "cpu"
+    dtype: str = "float32"
+    trust_remote_code: bool = False

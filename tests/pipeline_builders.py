@@ -98,7 +98,7 @@ def assert_copied_unchanged(item: Exported, trained: str = "transformer") -> Non
             assert out[rel] != digest and str(item.base) not in (item.out / rel).read_text(), rel
         else:
             assert out.get(rel) == digest, f"{rel} differs from the base"
-    assert set(out) - set(base) <= {"merge_manifest.json", "merge_manifest.sha256"} | {r for r in out if r.startswith(f"{trained}/")}
+    assert set(out) - set(base) <= {"merge_manifest.json", "merge_manifest.sha256", "README.md"} | {r for r in out if r.startswith(f"{trained}/")}
     assert item.manifest["base_files"] == base
 
 

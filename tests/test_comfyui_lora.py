@@ -98,7 +98,8 @@ def test_comfyui_lora_loads_with_load_lora_weights_and_reproduces_the_trained_fo
     ck = build_lora_checkpoint(tmp_path, class_name, make_config(targets), world_size=3, layout=layout)
     out = export(ck, tmp_path / "out")
     adapter_dir = out / "lora_adapter"
-    assert sorted(os.listdir(adapter_dir)) == ["lora_comfyui.safetensors", "merge_manifest.json", "merge_manifest.sha256"]
+    assert sorted(os.listdir(adapter_dir)) == ["README.md", "lora_comfyui.safetensors", "merge_manifest.json",
+                                               "merge_manifest.sha256"]
     manifest = json.loads((adapter_dir / "merge_manifest.json").read_text())
     assert manifest["lora_adapter"]["format"] == "comfyui" and manifest["architecture"] == class_name
     with safe_open(str(adapter_dir / WEIGHTS), framework="pt") as handle:

@@ -153,7 +153,7 @@ def test_known_rank_fine_tune_is_recovered_and_peft_reproduces_the_forward(
     adapter_dir = out / "lora_adapter"
     assert sorted(p.name for p in out.iterdir()) == ["lora_adapter"] and not leftovers(tmp_path, ".out")
     assert sorted(p.name for p in adapter_dir.iterdir()) == [
-        "adapter_config.json", "adapter_model.safetensors", EXTRACTION_NAME, "merge_manifest.json",
+        "README.md", "adapter_config.json", "adapter_model.safetensors", EXTRACTION_NAME, "merge_manifest.json",
         "merge_manifest.sha256"]
     weights = load_file(adapter_dir / "adapter_model.safetensors")
     assert len(weights) == 2 * len(deltas)
@@ -324,8 +324,8 @@ def test_comfyui_flux_fuses_qkv_lists_what_its_naming_cannot_carry_and_passes_te
     out = Path(merge_model(config(actor_dir, base_dir, tmp_path / "out", extract_lora=RANK,
                                   adapter_format="comfyui")).output_dir)
     adapter_dir = out / "lora_adapter"
-    assert sorted(p.name for p in adapter_dir.iterdir()) == ["lora_comfyui.safetensors", EXTRACTION_NAME, "merge_manifest.json",
-                                                             "merge_manifest.sha256"]
+    assert sorted(p.name for p in adapter_dir.iterdir()) == ["README.md", "lora_comfyui.safetensors", EXTRACTION_NAME,
+                                                             "merge_manifest.json", "merge_manifest.sha256"]
     record = json.loads((adapter_dir / EXTRACTION_NAME).read_text())
     # Every Flux linear has a kohya name, outside the blocks too (the embedders: img_in, txt_in, ...):
     # nothing of this all-linear update is left out.

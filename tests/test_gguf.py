@@ -116,7 +116,7 @@ def test_the_dequantized_file_loads_and_forwards_within_tolerance(tmp_path: Path
                                                                   method: str) -> None:
     ex = wide_export(tmp_path / "ckpt", class_name)
     out = Path(merge_model(ex.config(tmp_path / "out", output_format="gguf", quantize=method)).output_dir)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "merge_manifest.json", "merge_manifest.sha256", FILE]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "merge_manifest.json", "merge_manifest.sha256", FILE]
     assert validate_artifact(out) == {"integrity": "passed", "architecture": class_name}
 
     reader = gguf.GGUFReader(out / FILE)

@@ -305,7 +305,7 @@ def test_a_single_file_export_uploads_and_verifies(hub, tmp_path, prefect_api, q
     record = _upload(hub, out)
     _assert_hub_holds_artifact(hub, out)
     assert hub.files(REPO)["transformer.safetensors"].lfs
-    assert record.files_verified == len(_artifact_files(out)) == 4  # config, weights, manifest, its pin
+    assert record.files_verified == len(_artifact_files(out)) == 5  # config, weights, card, manifest, its pin
 
 
 def test_a_gguf_export_uploads_and_verifies(hub, tmp_path, prefect_api):
@@ -318,4 +318,4 @@ def test_a_gguf_export_uploads_and_verifies(hub, tmp_path, prefect_api):
     record = _upload(hub, out)
     _assert_hub_holds_artifact(hub, out)
     assert hub.files(REPO)["transformer.gguf"].lfs
-    assert record.files_verified == len(_artifact_files(out)) == 4  # config, weights, manifest, its pin
+    assert record.files_verified == len(_artifact_files(out)) == 5  # config, weights, card, manifest, its pin

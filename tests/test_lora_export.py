@@ -86,8 +86,8 @@ def test_exported_adapter_loads_in_peft_and_reproduces_the_trained_forward(
     out = Path(result.output_dir)
     assert not leftovers(tmp_path, ".out")
     adapter_dir = out / "lora_adapter"
-    assert sorted(os.listdir(adapter_dir)) == ["adapter_config.json", "adapter_model.safetensors", "merge_manifest.json",
-                                               "merge_manifest.sha256"]
+    assert sorted(os.listdir(adapter_dir)) == ["README.md", "adapter_config.json", "adapter_model.safetensors",
+                                               "merge_manifest.json", "merge_manifest.sha256"]
     manifest = json.loads((adapter_dir / "merge_manifest.json").read_text())
     assert manifest["artifact_type"] == "peft_adapter" and manifest["architecture"] == class_name
     assert manifest["lora_adapter"]["excluded_adapters"] == sorted({"default", "old"} - {adapter})
@@ -131,7 +131,8 @@ def test_diffusers_format_keeps_alpha_and_loads_with_load_lora_adapter(
     result = merge_model(ck.config(tmp_path / "out", base_model="tiny-org/flux", adapter_name="old",
                                    adapter_format="diffusers"))
     adapter_dir = Path(result.output_dir) / "lora_adapter"
-    assert sorted(os.listdir(adapter_dir)) == ["merge_manifest.json", "merge_manifest.sha256", "pytorch_lora_weights.safetensors"]
+    assert sorted(os.listdir(adapter_dir)) == ["README.md", "merge_manifest.json", "merge_manifest.sha256",
+                                               "pytorch_lora_weights.safetensors"]
     weights = adapter_dir / "pytorch_lora_weights.safetensors"
     with safe_open(str(weights), framework="pt") as handle:
         keys = set(handle.keys())

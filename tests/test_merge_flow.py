@@ -85,7 +85,7 @@ def test_multi_shard_output_with_index(tmp_path: Path, prefect_api: object) -> N
     SD3Transformer2DModel.from_pretrained(out, local_files_only=True)
     manifest = json.loads(Path(result.manifest_path).read_text())
     assert manifest["max_shard_size_bytes"] == 20_000
-    assert set(manifest["files"]) == set(shards) | {"config.json", "diffusion_pytorch_model.safetensors.index.json"}
+    assert set(manifest["files"]) == set(shards) | {"README.md", "config.json", "diffusion_pytorch_model.safetensors.index.json"}
 
 
 def test_bfloat16_cast_keeps_fp32_modules(tmp_path: Path, prefect_api: object) -> None:
@@ -128,7 +128,7 @@ def test_manifest_fields_and_no_local_paths(tmp_path: Path, prefect_api: object)
     assert manifest["verification"] == {"structure": "passed", "source_round_trip": "passed",
                                         "artifact_round_trip": "passed", "integrity": "passed", "runtime": "not_run"}
     assert (out / "merge_manifest.json").read_text() == json.dumps(manifest, indent=2, sort_keys=True) + "\n"
-    assert set(manifest["files"]) == {"config.json", "diffusion_pytorch_model.safetensors"}
+    assert set(manifest["files"]) == {"README.md", "config.json", "diffusion_pytorch_model.safetensors"}
 
 
 def test_test_command_catches_a_flipped_byte_in_every_file(tmp_path: Path, prefect_api: object) -> None:
@@ -178,7 +178,7 @@ def test_flow_artifacts_are_readable_through_the_client(tmp_path: Path, prefect_
     table = found["merge-manifest-ckpt-step1"][0]
     assert table.type == "table"
     rows = json.loads(table.data) if isinstance(table.data, str) else table.data
-    assert {r["file"] for r in rows} == {"config.json", "diffusion_pytorch_model.safetensors"}
+    assert {r["file"] for r in rows} == {"README.md", "config.json", "diffusion_pytorch_model.safetensors"}
     assert {r["file"]: r["bytes"] for r in rows} == {r["file"]: (target / r["file"]).stat().st_size for r in rows}
     assert found["merge-summary-ckpt-step1"][0].type == "markdown"
     progress = found["merge-progress-ckpt-step1"][0]

@@ -92,8 +92,8 @@ def test_toy_output_through_merge_publish_and_test(tmp_path: Path, prefect_api: 
     out = Path(result.output_dir)
     manifest = json.loads((out / MANIFEST_NAME).read_text())
     assert manifest["artifact_type"] == "toy_transformer" and manifest["tensor_directory"] == "."
-    assert sorted(manifest["files"]) == ["config.json", TOY_WEIGHTS]
-    assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", TOY_WEIGHTS, MANIFEST_NAME, PIN_NAME])
+    assert sorted(manifest["files"]) == ["README.md", "config.json", TOY_WEIGHTS]
+    assert sorted(p.name for p in out.iterdir()) == sorted(["README.md", "config.json", TOY_WEIGHTS, MANIFEST_NAME, PIN_NAME])
     # The mapping hook renamed every tensor, bytes unchanged.
     published = output_state(out)
     expected = {TOY_PREFIX + key: value for key, value in ex.actor.state_dict().items()}

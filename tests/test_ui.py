@@ -88,7 +88,9 @@ def test_merge_run_name_logs_and_summary_through_the_client(tmp_path: Path, pref
     assert f"| source | `{actor}` |" in summary and f"| base model | `{ex.base_dir}` |" in summary
     for layer in ("structure", "source_round_trip", "artifact_round_trip", "integrity", "runtime"):
         assert f"| {layer} |" in summary
-    assert "| runtime | not_run | loading and running the model; `not_run` means" in summary
+    assert "| runtime | not_run | loaded with Diffusers and one denoising step run" in summary
+    assert "| runtime check | not_run (merge without --smoke) |" in summary
+    assert "| model card | README.md: finetune of not named" in summary
     assert f"mergeflow test --backend fsdp --test_hf_dir {result.output_dir}" in summary
     table = _artifact("merge-manifest-run-ui-step7", run.id).data
     rows = table if isinstance(table, list) else __import__("json").loads(table)
@@ -144,7 +146,7 @@ def test_deployment_forms_are_typed(tmp_path: Path, prefect_api: object) -> None
                 deployment.name = f"{deployment.name}-ui-{suffix}"  # never the names a served test waits for
                 deployment.triggers = []  # no automation left behind on the session's server
                 ids.append(deployment.apply())
-            merge, validate, backfill = (client.read_deployment(i) for i in ids)
+            merge, validate, backfill, smoke = (client.read_deployment(i) for i in ids)
         finally:
             for i in ids:
                 client.delete_deployment(i)
@@ -153,14 +155,19 @@ def test_deployment_forms_are_typed(tmp_path: Path, prefect_api: object) -> None
     assert stored["properties"]["quantize"]["enum"] == props["quantize"]["enum"]
     assert stored["definitions"]["CheckpointPayload"]["properties"]["step"]["description"]
     assert validate.parameter_openapi_schema["properties"]["test_hf_dir"]["description"]
+    # The smoke (runtime check) form: typed device and dtype choices, every field described.
+    smoke_props = smoke.parameter_openapi_schema["properties"]
+    assert smoke_props["device"]["enum"] == ["cpu", "cuda"] and smoke_props["dtype"]["enum"] == ["float32", "bfloat16", "float16"]
+    assert all(p.get("description") for p in smoke_props.values())
     # The backfill form: the same choices as the merge's, every field described, train_dir the one to fill in.
     backfill_schema = backfill.parameter_openapi_schema
     backfill_props = backfill_schema["properties"]
     assert backfill_schema["required"] == ["train_dir", "base_model", "target_root"]
     assert set(backfill.parameters) == {"base_model", "target_root", "output_format", "dtype", "max_shard_size", "workers",
                                         "task_runner", "dask_address", "checkpoint_roots", "quantize",
-                                        "extract_lora", "extract_energy"}
-    assert all(backfill_props[k]["enum"] == props[k]["enum"] for k in ("output_format", "dtype", "quantize", "task_runner"))
+                                        "extract_lora", "extract_energy", "smoke", "smoke_device", "base_model_id"}
+    assert all(backfill_props[k]["enum"] == props[k]["enum"] for k in ("output_format", "dtype", "quantize", "task_runner",
+                                                                        "smoke_device"))
     assert (backfill_props["max_shard_size"]["type"], backfill_props["stable_seconds"]["type"]) == ("integer", "number")
     assert all(p.get("description") for p in backfill_props.values()), [k for k, p in backfill_props.items() if not p.get("description")]
 

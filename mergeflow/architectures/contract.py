@@ -207,6 +207,8 @@ def check_pipeline_contract(base_dir: Path, *, component: str, trust_remote_code
     trained = _trained_files(files, component)
     if MANIFEST_NAME in files:
         trained[MANIFEST_NAME] = "manifest of the base's own export, replaced by this export's"
+    if "README.md" in files:  # the model card (mergeflow/hub/model_card.py) is the export's own
+        trained["README.md"] = "the base's model card, replaced by this export's"
     copy_files = tuple(f for f in files if f not in trained)
     excluded.update({rel: why for rel, why in trained.items() if rel in files})
     changes = {}

@@ -27,10 +27,11 @@ INSPECTING = "inspecting"
 LOADING = "loading"  # the rank files' indexes; total: the world size
 WRITING = "writing"  # the output shards (the rank files are hashed on the cores the writers leave); total: bytes
 HASHING = "hashing"  # what is left of hashing the rank files once the shards are written; total: rank files
+SMOKING = "runtime check"  # --smoke: one denoising step of the staged artifact (mergeflow/ops/smoke.py)
 VALIDATING = "validating"
 PUBLISHING = "publishing"
 UPLOADING = "uploading"
-PHASES = (INSPECTING, LOADING, WRITING, HASHING, VALIDATING, PUBLISHING, UPLOADING)
+PHASES = (INSPECTING, LOADING, WRITING, HASHING, SMOKING, VALIDATING, PUBLISHING, UPLOADING)
 
 RATE_WINDOW_S = 5.0
 MIN_RATE_SPAN_S = 0.2  # a rate over less than this is noise (the first tensor of a phase)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 from mergeflow.errors import ArtifactInvalidError
 from mergeflow.export.check.artifact_check import list_tree, manifest_relpath
@@ -22,8 +25,9 @@ from mergeflow.formats.manifest import (
     producer_versions,
 )
 from mergeflow.formats.seal import SIGNATURE_NAME, write_pin
+from mergeflow.hub.model_card import CARD_NAME, CardFacts, card_record, render
 from mergeflow.io.fs import fsync_dir, make_readable, rename_noreplace
-from mergeflow.io.jsonfiles import write_json_durable
+from mergeflow.io.jsonfiles import write_bytes_durable, write_json_durable
 from mergeflow.io.session import sha256_file
 from mergeflow.outputs.registry import output_of
 from mergeflow.records import (
@@ -122,7 +126,36 @@ def finalize_staging(plan: MergePlan, output: OutputPlan, rank_digests: dict[str
     files, transform = write_metadata_files(plan, output)
     manifest = build_manifest(plan, rank_digests, shards, files + list(extra_files or []), transform, lora_fusion,
                               unchanged)
+    manifest = write_model_card(plan, manifest, Path(plan.output.artifact_dir), plan.output.weights_name)
     write_json_durable(Path(plan.output.artifact_dir) / MANIFEST_NAME, manifest.to_json(), indent=2)
+    return manifest
+
+
+def write_model_card(plan: MergePlan, manifest: Manifest, root: Path, weights_file: str,
+                     runtime: Mapping[str, Any] | None = None) -> Manifest:
+    """README.md into the staged artifact at `root`; the manifest returned lists it and carries its record.
+
+    Written before the manifest is serialized, so the manifest's digest of it (and a signature over the
+    staged tree) covers the card; rewritten with the runtime check's result when that runs.
+    """
+    facts = CardFacts.of(plan.checkpoint.actor_dir, plan.base.hub_id, weights_file, plan.output.transformer_class)
+    manifest = replace(manifest, model_card=card_record(manifest, facts))
+    raw = render(manifest, facts, runtime).encode()
+    write_bytes_durable(root / CARD_NAME, raw)
+    files = {**manifest.files, CARD_NAME: sha256_file(root / CARD_NAME)}
+    return replace(manifest, files=dict(sorted(files.items())))
+
+
+def record_runtime(plan: MergePlan, manifest: Manifest, root: Path, weights_file: str,
+                   runtime: Mapping[str, Any]) -> Manifest:
+    """The runtime check passed on the staged artifact at `root`: its record into the card and the manifest.
+
+    Before validation and publication, so the published manifest (and any signature over the staging tree)
+    holds the result; a failed check never reaches here (nothing is published).
+    """
+    manifest = replace(manifest, verification={**manifest.verification, "runtime": "passed"}, runtime=dict(runtime))
+    manifest = write_model_card(plan, manifest, root, weights_file, runtime)
+    write_json_durable(root / MANIFEST_NAME, manifest.to_json(), indent=2)
     return manifest
 
 

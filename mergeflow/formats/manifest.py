@@ -125,6 +125,10 @@ class ManifestDocument(TypedDict):
     original_layout: NotRequired[dict[str, Any]]  # a single file's key map (mergeflow/outputs/single_file.py)
     # Encoded weights: {method, kept_f32/excluded: [...], tensors: {key: {...}}} (GGUF: mergeflow/outputs/gguf.py).
     quantization: NotRequired[dict[str, Any]]
+    # The model card (README.md): {file, base_model, base_model_relation, tensors_sha256} (mergeflow/hub/model_card.py).
+    model_card: NotRequired[dict[str, Any]]
+    # The runtime check's measurement when it ran: device, dtype, seconds, peak memory, output statistics.
+    runtime: NotRequired[dict[str, Any]]
 
 
 # The records of a manifest. A merge builds one `Manifest` and serializes it once (`to_json`, at the
@@ -248,6 +252,8 @@ class Manifest:
     original_layout: Mapping[str, Any] | None = None
     # Encoded weights: {method, kept_f32/excluded, tensors: key -> type, source sha256, errors...}.
     quantization: Mapping[str, Any] | None = None
+    model_card: Mapping[str, Any] | None = None  # README.md's record (mergeflow/hub/model_card.py)
+    runtime: Mapping[str, Any] | None = None  # the runtime check's measurement (mergeflow/ops/smoke.py)
     schema_version: int = SCHEMA_VERSION
     backend: str = "fsdp"
 
@@ -297,6 +303,10 @@ class Manifest:
             data["original_layout"] = dict(self.original_layout)
         if self.quantization is not None:
             data["quantization"] = dict(self.quantization)
+        if self.model_card is not None:
+            data["model_card"] = dict(self.model_card)
+        if self.runtime is not None:
+            data["runtime"] = dict(self.runtime)
         return data
 
 
@@ -354,10 +364,22 @@ def check_manifest(data: Any, artifact_types: Collection[str] | None = None) -> 
     if quantization is not None and not (isinstance(quantization, dict) and isinstance(quantization.get("method"), str)
                                          and isinstance(quantization.get("tensors"), dict)):
         raise ArtifactInvalidError("manifest quantization must be {method: ..., tensors: {...}}")
+    _check_runtime(verification.get("runtime"), data.get("runtime"))
+    card = data.get("model_card")
+    if card is not None and not (isinstance(card, dict) and isinstance(card.get("file"), str) and card["file"] in data["files"]):
+        raise ArtifactInvalidError("manifest model_card must name a file the manifest lists")
     if MANIFEST_NAME in data["files"]:
         raise ArtifactInvalidError("manifest files must not list the manifest itself")
     _reject_absolute_paths(data)
     return data
+
+
+def _check_runtime(status: Any, record: Any) -> None:
+    """A published artifact's runtime check passed or did not run (a failed one is never published)."""
+    if status not in ("passed", "not_run"):
+        raise ArtifactInvalidError(f"manifest verification.runtime must be 'passed' or 'not_run', not {status!r}")
+    if (status == "passed") != isinstance(record, dict):
+        raise ArtifactInvalidError("manifest runtime: a passed runtime check has a record, and only then")
 
 
 def _check_source_model_config(smc: Mapping[str, object]) -> None:

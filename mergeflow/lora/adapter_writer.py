@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mergeflow.export.publish import build_manifest
+from mergeflow.export.publish import build_manifest, write_model_card
 from mergeflow.formats.manifest import (
     MANIFEST_NAME,
     ConfigTransform,
@@ -17,6 +17,7 @@ from mergeflow.formats.manifest import (
 )
 from mergeflow.formats.safetensors_format import nbytes
 from mergeflow.formats.seal import PIN_NAME, pin_text, write_pin
+from mergeflow.hub.model_card import CARD_NAME
 from mergeflow.io.jsonfiles import write_bytes_durable, write_json_durable
 from mergeflow.io.session import sha256_file
 from mergeflow.lora.artifact import ADAPTER_DIR
@@ -126,6 +127,8 @@ def write_adapter(plan: MergePlan, lora: LoraPlan, layouts: dict[str, TensorLayo
         write_bytes_durable(out_dir / EXTRACTION_NAME, raw)
         files.append(FileRecord(EXTRACTION_NAME, sha256_file(out_dir / EXTRACTION_NAME), len(raw), "written"))
     manifest = _adapter_manifest(plan, lora, rank_digests, record, files)
+    manifest = write_model_card(plan, manifest, out_dir, record.file_name)
+    files.append(FileRecord(CARD_NAME, manifest.files[CARD_NAME], (out_dir / CARD_NAME).stat().st_size, "written"))
     data = write_json_durable(out_dir / MANIFEST_NAME, manifest.to_json(), indent=2)
     listed = [(record.file_name, record.sha256, record.size)] + [(f.rel_path, f.sha256, f.size) for f in files]
     listed.append((MANIFEST_NAME, sha256_file(out_dir / MANIFEST_NAME), len(data)))

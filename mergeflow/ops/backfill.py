@@ -30,6 +30,7 @@ from mergeflow.config import (
     ModelMergerConfig,
     OutputFormat,
     Quantize,
+    SmokeDevice,
 )
 from mergeflow.errors import UsageError
 from mergeflow.io.staging import staging_dirs_of
@@ -59,6 +60,9 @@ class BackfillSettings:
     extract_lora: int | None = None  # --extract-lora: each step published as a LoRA of (trained - base)
     extract_energy: float | None = None
     sign_key: str | None = None  # --sign-key: each step signed before it is published (None: MERGEFLOW_SIGN_KEY)
+    smoke: bool = False  # the runtime check before each step's publication
+    smoke_device: SmokeDevice = "cpu"
+    base_model_id: str | None = None  # the model cards' base_model
 
 
 @dataclass(frozen=True)
@@ -123,7 +127,8 @@ def _one_step(settings: BackfillSettings, step: int, actor_dir: Path, target: Pa
                                quantize=settings.quantize,
                                allow_unchanged=settings.allow_unchanged, max_shard_size=settings.max_shard_size,
                                workers=settings.workers, extract_lora=settings.extract_lora,
-                               extract_energy=settings.extract_energy, sign_key=settings.sign_key)
+                               extract_energy=settings.extract_energy, sign_key=settings.sign_key, smoke=settings.smoke,
+                               smoke_device=settings.smoke_device, base_model_id=settings.base_model_id)
     merge(config)  # a failure propagates: the steps after it wait for a rerun, which resumes this one
     return StepResult(step, "done", str(target), "resumed" if resumed else "")
 

@@ -27,6 +27,7 @@ from mergeflow.config import (
     ModelMergerConfig,
     OutputFormat,
     Quantize,
+    SmokeDevice,
     TaskRunner,
 )
 from mergeflow.errors import MergeflowError, UsageError
@@ -65,6 +66,9 @@ class ServeSettings:
     extract_lora: int | None = None  # --extract-lora: every triggered export is a LoRA of (trained - base)
     extract_energy: float | None = None
     sign_key: str | None = None  # --sign-key: every triggered export is signed before it is published
+    smoke: bool = False  # --smoke: the runtime check (one denoising step) before each publication
+    smoke_device: SmokeDevice = "cpu"
+    base_model_id: str | None = None  # the model cards' base_model when base_model is a local folder
 
     def checked(self) -> ServeSettings:
         """Absolute paths, known choices; refuse what every triggered run would fail on."""
@@ -121,7 +125,8 @@ class ServeSettings:
         """
         merge = self.parameters()
         keep = ("base_model", "target_root", "output_format", "dtype", "max_shard_size", "workers", "task_runner",
-                "dask_address", "checkpoint_roots", "quantize", "extract_lora", "extract_energy", "sign_key")
+                "dask_address", "checkpoint_roots", "quantize", "extract_lora", "extract_energy", "sign_key", "smoke",
+                "smoke_device", "base_model_id")
         return {k: merge[k] for k in keep}
 
 

@@ -24,6 +24,7 @@ from mergeflow.formats.seal import (
     check_signed_files,
     read_signed_statement,
 )
+from mergeflow.hub.model_card import check_card
 from mergeflow.io.fs import FileStamp
 from mergeflow.io.jsonfiles import (
     JsonObject,
@@ -204,6 +205,7 @@ def validate_artifact_dir(root: Path, verified: Mapping[str, VerifiedFile] | Non
     output = output_for_manifest(manifest)  # the kind of artifact: its own configs and weights are checked
     output.check_configs(root, manifest)
     count = output.check_weights(root, manifest)
+    check_card(root, manifest.get("model_card"), manifest["tensors"])  # the card (hashed above) names these tensors
     if ADAPTER_MANIFEST in manifest["files"]:  # an exported adapter beside the model: an artifact of its own
         inner = validate_artifact_dir(root / ADAPTER_DIR, _below(verified, ADAPTER_DIR), top=False)
         if output_for_manifest(inner.manifest).nested_dir != ADAPTER_DIR:

@@ -25,6 +25,7 @@ from mergeflow.export.plan.targets import TargetSchema
 from mergeflow.formats.manifest import fingerprint
 from mergeflow.formats.model_config import ModelConfig
 from mergeflow.formats.weight_index import read_weight_map
+from mergeflow.hub.model_card import base_model_id
 from mergeflow.io.fs import FileStamp
 from mergeflow.io.paths import lock_path_for, resolved_path_options, staging_dir_for
 from mergeflow.io.session import sha256_file
@@ -55,7 +56,8 @@ from mergeflow.sources.registry import (
 # Options that do not change a byte of the artifact stay out of the fingerprint, so changing
 # them keeps a half-done export resumable.
 # The signing key too: the signature is added after validation, at every run (mergeflow/export/publish.py).
-_NOT_FINGERPRINTED = ("workers", "hf_upload_path", "private", "allow_unchanged", "sign_key")
+_NOT_FINGERPRINTED = ("workers", "hf_upload_path", "private", "allow_unchanged", "sign_key", "smoke", "smoke_device",
+                      "smoke_dtype")
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,11 @@ def build_plan(config: ModelMergerConfig) -> MergePlan:
     options = resolved_path_options({k: v for k, v in config.to_dict().items() if k not in _NOT_FINGERPRINTED})
     fp = fingerprint([options, {k: list(v.__dict__.values()) for k, v in stamps.items()}, str(target), decided.base.files])
     schema = decided.schema
+    named = (decided.lora.base_model_name_or_path if decided.lora else
+             decided.extract.base_model_name_or_path if decided.extract else None)
+    # --base_model names the base by its Hub id only when it is no local folder (an adapter's base).
+    given = config.base_model if config.base_model and not Path(config.base_model).expanduser().exists() else None
+    base = replace(decided.base, hub_id=base_model_id(config.base_model_id, decided.base.base_dir, named or given))
     return MergePlan(
         options=ExportOptions(dtype=config.dtype, max_shard_size=config.max_shard_size,  # type: ignore[arg-type]
                               trust_checkpoint=config.trust_checkpoint, workers=config.workers,
@@ -114,7 +121,7 @@ def build_plan(config: ModelMergerConfig) -> MergePlan:
                                     world_size=checkpoint.world_size, fsdp_version=checkpoint.fsdp_version,
                                     rank_files=checkpoint.files, config_sha256=sha256_file(model_config.path),
                                     format=checkpoint.format, config_logical_path=model_config.logical_path),
-        base=decided.base,
+        base=base,
         output=OutputTarget(target=str(target), staging=str(staging_dir_for(target, fp)), lock=str(lock_path_for(target)),
                             artifact_type=schema.artifact_type, architecture=schema.architecture,
                             transformer_class=schema.transformer_class, component=config.component,
