@@ -196,8 +196,9 @@ def quantization_rows(record: Mapping[str, Any] | None) -> list[str]:
     return rows
 
 
-def publish_manifest_artifacts(plan: MergePlan, manifest: Manifest, output_dir: str, label: str) -> int:
-    """The manifest as a table (one row per file, with sizes) and a markdown summary; returns the artifact's bytes."""
+def publish_manifest_artifacts(plan: MergePlan, manifest: Manifest, output_dir: str, label: str) -> tuple[int, int]:
+    """The manifest as a table (one row per file, with sizes) and a markdown summary; returns the published
+    artifact's file count and bytes (every file: the manifest, its pin and a signature included)."""
     sizes = tree_sizes(Path(output_dir))
     total = sum(sizes.values())
     create_table_artifact(table=manifest_rows(manifest, sizes), key=artifact_key("merge-manifest", label),
@@ -207,7 +208,7 @@ def publish_manifest_artifacts(plan: MergePlan, manifest: Manifest, output_dir: 
                              key=artifact_key("merge-summary", label), description="Export summary")
     if plan.extract is not None:
         publish_extraction_artifact(Path(output_dir), label)
-    return total
+    return len(sizes), total
 
 
 def publish_extraction_artifact(output_dir: Path, label: str) -> None:

@@ -234,8 +234,8 @@ def merge_flow(config: ModelMergerConfig) -> PublishedMerge:  # its result is th
     finally:
         leave()  # nothing process-wide to clear: the session goes with the export
     label = export_label(plan.output.target, plan.checkpoint.actor_dir)  # the progress artifact's key too
-    total = publish_manifest_artifacts(plan, manifest, result["output_dir"], label)
-    logger.info("Published %s: %d files, %d bytes in %.1f s", result["output_dir"], len(manifest.files) + 1, total,
+    count, total = publish_manifest_artifacts(plan, manifest, result["output_dir"], label)
+    logger.info("Published %s: %d files, %d bytes in %.1f s", result["output_dir"], count, total,
                 time.monotonic() - started)
     if config.hf_upload_path:
         merge_progress().begin(UPLOADING)

@@ -96,6 +96,8 @@ def assert_copied_unchanged(item: Exported, trained: str = "transformer") -> Non
             assert rel not in out or out[rel] != digest, f"{rel} still holds the base's weights"
         elif rel in rewritten:
             assert out[rel] != digest and str(item.base) not in (item.out / rel).read_text(), rel
+        elif rel == "README.md":  # the base's model card: the artifact's own card takes its place
+            assert item.manifest["files"]["README.md"] == out[rel] != digest, rel
         else:
             assert out.get(rel) == digest, f"{rel} differs from the base"
     assert set(out) - set(base) <= {"merge_manifest.json", "merge_manifest.sha256", "README.md"} | {r for r in out if r.startswith(f"{trained}/")}

@@ -177,7 +177,7 @@ def test_merge_uploads_to_a_hub_and_reports_it(tmp_path: Path, env: dict[str, st
         assert proc.returncode == 0, proc.stderr
         out = json.loads(proc.stdout.strip().splitlines()[-1])
         assert out["upload"]["status"] == "uploaded" and out["upload"]["private"] is True
-        assert out["upload"]["files_verified"] == 4  # config, weights, manifest, its pin
+        assert out["upload"]["files_verified"] == 5  # config, weights, card, manifest, its pin
         remote = {k: v for k, v in hub.files("team/tiny").items() if k != ".gitattributes"}
         assert set(remote) == set(tree_digest(target))
         link = _read_artifact(prefect_server_url(env), "hub-team-tiny")

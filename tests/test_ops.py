@@ -254,6 +254,7 @@ def test_prefect_yaml_entrypoints_and_trigger_match_the_served_ones() -> None:
     from mergeflow.deployments.serve import (
         BACKFILL_DEPLOYMENT,
         MERGE_DEPLOYMENT,
+        SMOKE_DEPLOYMENT,
         TRIGGER_NAME,
         TRIGGER_PARAMETERS,
         VALIDATE_DEPLOYMENT,
@@ -262,12 +263,14 @@ def test_prefect_yaml_entrypoints_and_trigger_match_the_served_ones() -> None:
 
     spec = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
     deployments = {d["name"]: d for d in spec["deployments"]}
-    assert set(deployments) == {MERGE_DEPLOYMENT, VALIDATE_DEPLOYMENT, BACKFILL_DEPLOYMENT}
-    merge, validate, backfill = (load_flow_from_entrypoint(deployments[name]["entrypoint"], use_placeholder_flow=False)
-                                 for name in (MERGE_DEPLOYMENT, VALIDATE_DEPLOYMENT, BACKFILL_DEPLOYMENT))
-    assert (merge.name, validate.name, backfill.name) == ("mergeflow-merge-checkpoint", "mergeflow-validate", "mergeflow-backfill")
+    assert set(deployments) == {MERGE_DEPLOYMENT, VALIDATE_DEPLOYMENT, BACKFILL_DEPLOYMENT, SMOKE_DEPLOYMENT}
+    merge, validate, backfill, smoke = (load_flow_from_entrypoint(deployments[name]["entrypoint"], use_placeholder_flow=False)
+                                        for name in (MERGE_DEPLOYMENT, VALIDATE_DEPLOYMENT, BACKFILL_DEPLOYMENT, SMOKE_DEPLOYMENT))
+    assert (merge.name, validate.name, backfill.name, smoke.name) == (
+        "mergeflow-merge-checkpoint", "mergeflow-validate", "mergeflow-backfill", "mergeflow-smoke")
     assert [f"{f.name}/{name}" for f, name in ((merge, MERGE_DEPLOYMENT), (validate, VALIDATE_DEPLOYMENT),
-                                               (backfill, BACKFILL_DEPLOYMENT))] == served_names()
+                                               (backfill, BACKFILL_DEPLOYMENT), (smoke, SMOKE_DEPLOYMENT))] == served_names()
+    assert set(deployments[SMOKE_DEPLOYMENT].get("parameters") or {}) <= set(smoke.parameters.properties)
     assert set(deployments[BACKFILL_DEPLOYMENT]["parameters"]) <= set(backfill.parameters.properties)
     assert not deployments[BACKFILL_DEPLOYMENT].get("triggers")  # run on demand only
     assert set(deployments[MERGE_DEPLOYMENT]["parameters"]) <= set(merge.parameters.properties)

@@ -52,7 +52,7 @@ def test_from_single_file_reads_back_the_diffusers_export_bit_for_bit(tmp_path: 
     ex = make_export(tmp_path / "ckpt", class_name, world_size=2)
     diffusers_export = Path(merge_model(ex.config(tmp_path / "diffusers", output_format="transformer")).output_dir)
     out = Path(merge_model(ex.config(tmp_path / "single", output_format="single_file")).output_dir)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "merge_manifest.json", "merge_manifest.sha256", FILE]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "merge_manifest.json", "merge_manifest.sha256", FILE]
     expected = output_state(diffusers_export)
     assert set(expected) == set(ex.actor.state_dict())
     config = json.loads((out / "config.json").read_text())
@@ -261,7 +261,8 @@ def test_wan22_experts_export_one_file_each_from_the_pipeline_base(tmp_path: Pat
         item = Exported(base, actor_dir, actor)
         out = Path(merge_model(item.config(tmp_path / f"out-{component}", output_format="single_file",
                                            component=component)).output_dir)
-        assert sorted(p.name for p in out.iterdir()) == ["config.json", "merge_manifest.json", "merge_manifest.sha256", f"{component}.safetensors"]
+        assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "merge_manifest.json", "merge_manifest.sha256",
+                                                         f"{component}.safetensors"]
         import diffusers
 
         loaded = diffusers.WanTransformer3DModel.from_single_file(str(out / f"{component}.safetensors"), config=str(out),

@@ -165,7 +165,7 @@ def test_deployment_forms_are_typed(tmp_path: Path, prefect_api: object) -> None
     assert backfill_schema["required"] == ["train_dir", "base_model", "target_root"]
     assert set(backfill.parameters) == {"base_model", "target_root", "output_format", "dtype", "max_shard_size", "workers",
                                         "task_runner", "dask_address", "checkpoint_roots", "quantize",
-                                        "extract_lora", "extract_energy", "smoke", "smoke_device", "base_model_id"}
+                                        "extract_lora", "extract_energy", "sign_key", "smoke", "smoke_device", "base_model_id"}
     assert all(backfill_props[k]["enum"] == props[k]["enum"] for k in ("output_format", "dtype", "quantize", "task_runner",
                                                                         "smoke_device"))
     assert (backfill_props["max_shard_size"]["type"], backfill_props["stable_seconds"]["type"]) == ("integer", "number")
