@@ -133,7 +133,7 @@ def _write_shard_file(shard: ShardPlan, states: PieceSource, artifact_dir: Path,
     hash_in_header = DATA_HASH_KEY in metadata
     header, entries = build_header(layout, metadata)
     partial = partial_path(work_dir, shard)
-    if hash_in_header and all(read_back_while_writing(t) for t in ordered):
+    if hash_in_header and _hashable_ahead(ordered, entries, shard.nbytes):
         header, digest, data_digest = _write_hashed_ahead(partial, header, entries, ordered, states, layout,
                                                           metadata, shard)
     else:
@@ -210,10 +210,10 @@ def _write_hashed_ahead(partial: Path, header: bytes, entries: dict[str, HeaderE
                         shard: ShardPlan) -> tuple[bytes, str, str]:
     """Write a file whose header names its data's hash, with no pass over the file after writing it.
 
-    Every tensor here is its sources' bytes (streamed, cast, or fused row blocks), so the data
-    section's sha256 is taken from the sources on the other core, ahead of the disk-bound writer,
-    which writes under a same-length placeholder header; a trailing thread hashes the final
-    header, then the data from the page cache just behind the writer. The read-back compares every
+    Every tensor here is its sources' bytes (streamed, cast, or fused row blocks) or one of a few small
+    computed ones, so the data section's sha256 is taken from the sources on the other core, ahead of
+    the disk-bound writer, which writes under a same-length placeholder header; a trailing thread hashes
+    the final header, then the data from the page cache just behind the writer. The read-back compares every
     written tensor with those same sources, which is what makes the hash taken from them the data's.
     """
     cancel = threading.Event()
@@ -256,20 +256,33 @@ def _write_hashed_ahead(partial: Path, header: bytes, entries: dict[str, HeaderE
     return header, digest, data_digest
 
 
+# A computed tensor is computed twice when the data are hashed ahead (once for the hash, once to write
+# it): worth it for a few small ones (Flux's swapped final modulation), not for a file of them (fp8's
+# quantized weights, fused LoRA weights), which is hashed while writing instead.
+AHEAD_COMPUTED_SHARE = 1 / 16
+
+
+def _hashable_ahead(ordered: list[TensorWrite], entries: dict[str, HeaderEntry], total: int) -> bool:
+    computed = sum(entries[t.name].end - entries[t.name].begin for t in ordered if not read_back_while_writing(t))
+    return computed <= total * AHEAD_COMPUTED_SHARE
+
+
 def data_section_sha256(ordered: list[TensorWrite], entries: dict[str, HeaderEntry], states: PieceSource,
                         cancel: threading.Event) -> str:
     """The sha256 of a file's data section, from the sources the writer streams its tensors from.
 
     The same pieces in the same order as `_write_tensor` writes them (each tensor's byte count checked
-    against its header entry); the writer's read-back then proves the file holds exactly these bytes.
+    against its header entry), a computed tensor computed as the writer computes it; the writer's
+    read-back (and the recomputation of computed tensors) then proves the file holds exactly these bytes.
     """
     digest = hashlib.sha256()
     for tw in ordered:
         size = 0
         for part in streamed_parts(tw) or [tw]:
-            if part.transform is not None:
-                raise CheckpointError(f"{tw.name}: a computed tensor cannot be hashed ahead of writing")
-            for piece in global_pieces(part.layout, primary_chunks(part.layout, states), part.out_dtype, part.name):
+            pieces: Iterable[torch.Tensor] = (
+                [transformed_tensor(part, states)] if part.transform is not None
+                else global_pieces(part.layout, primary_chunks(part.layout, states), part.out_dtype, part.name))
+            for piece in pieces:
                 if cancel.is_set():
                     raise CheckpointError("hashing ahead was stopped: the write failed")
                 view = _as_bytes(piece)
