@@ -288,7 +288,9 @@ def test_cluster_fan_out_worker_deaths_and_limits(site: Site) -> None:
     assert victim in ("machine-a", "machine-b"), victim
     cluster.kill_with_descendants(victim)  # the worker and its flow-run process, as a machine dies
     killed_at = time.monotonic()
-    assert not target_a.exists() and _writer_of_shard(targets / f"{SLOW}a") is None
+    # SIGKILL is delivered asynchronously: the writer's open file goes once the kernel has ended the process.
+    _wait("the killed writer's file to close", lambda: _writer_of_shard(targets / f"{SLOW}a") is None, 30, cluster)
+    assert not target_a.exists()
     restarted = cluster.spawn_worker(victim, limit=WORKER_LIMIT)  # the machine comes back
 
     # -- Fan-out: 4 checkpoints, one flow run each, over both workers; their shards on both Dask workers.
