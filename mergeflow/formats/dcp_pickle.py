@@ -84,6 +84,17 @@ def _memory_format_code(value: Any) -> int:  # the _MEM_FORMAT_ENCODING enum, by
     return value
 
 
+# Some Python 3.11 releases (Debian's 3.11.2) pickle an enum member by name, as getattr(EnumClass, "NAME"):
+# getattr is accepted for exactly this member lookup, on the one enum the metadata holds, nothing else.
+_MEM_FORMAT_NAMES = {"TORCH_CONTIGUOUS_FORMAT": 0, "TORCH_CHANNELS_LAST": 1, "TORCH_PRESERVE_FORMAT": 2}
+
+
+def _enum_member(owner: Any, name: Any) -> int:
+    if owner is not _memory_format_code or not isinstance(name, str) or name not in _MEM_FORMAT_NAMES:
+        raise NotSafeMetadata("global builtins.getattr outside the memory-format enum")
+    return _MEM_FORMAT_NAMES[name]
+
+
 def _path(*parts: Any) -> str:  # StorageMeta.checkpoint_id: where it was saved (never used)
     if not all(isinstance(p, str) for p in parts):
         raise NotSafeMetadata("a path built from non-strings")
@@ -106,6 +117,7 @@ _TABLE: dict[tuple[str, str], Any] = {
     (_MD, "StorageMeta"): StorageMeta,
     (_MD, "MetadataIndex"): MetadataIndex,
     (_MD, "_MEM_FORMAT_ENCODING"): _memory_format_code,
+    ("builtins", "getattr"): _enum_member,
     (_FS, "_StorageInfo"): StorageInfo,
     (_FS, "_StoragePrefix"): _StoragePrefix,
     ("pathlib", "PosixPath"): _path,
