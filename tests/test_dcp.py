@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import datetime
 import hashlib
@@ -135,6 +136,47 @@ def test_trust_checkpoint_admits_a_benign_global_the_closed_reader_refuses(accel
         dcp.open_dcp(target)
     parsed = dcp.open_dcp(target, trust_checkpoint=True)
     assert set(parsed.tensors) == {dcp.model_name(k) for k in accelerate_dcp.trained}
+
+
+def _repickle_enum_members(target: Path, reduce: object) -> bytes:
+    """Re-pickle our own (trusted) `.metadata` with the memory-format enum's members reduced by `reduce`."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    metadata = pickle.loads((target / ".metadata").read_bytes())
+    original = _MEM_FORMAT_ENCODING.__reduce_ex__
+    _MEM_FORMAT_ENCODING.__reduce_ex__ = reduce  # type: ignore[method-assign]
+    try:
+        data = pickle.dumps(metadata)
+    finally:
+        _MEM_FORMAT_ENCODING.__reduce_ex__ = original  # type: ignore[method-assign]
+    (target / ".metadata").write_bytes(data)
+    return data
+
+
+def test_an_enum_member_pickled_by_name_reads_as_by_value(accelerate_dcp: DcpCheckpoint, tmp_path: Path) -> None:
+    """Debian's Python 3.11.2 pickles an enum member as getattr(Enum, "NAME"): such a DCP reads, on any Python."""
+    target = _copy(accelerate_dcp, tmp_path)
+    expected = dcp.open_dcp(target)
+    data = _repickle_enum_members(target, lambda self, proto: (getattr, (type(self), self._name_)))
+    assert b"getattr" in data and b"TORCH_CONTIGUOUS_FORMAT" in data  # the 3.11.2 form, whatever Python runs this
+    assert pickle.loads(data).state_dict_metadata  # and torch's own reader loads it
+    parsed = dcp.open_dcp(target)
+    assert parsed.tensors == expected.tensors
+    for name, tensor in parsed.tensors.items():
+        assert dcp.DcpChunks(parsed).local(0, tensor.key).shape == tensor.chunks[0].sizes, name
+
+
+@pytest.mark.parametrize("lookup", ["another member name", "another owner"])
+def test_any_other_getattr_in_metadata_is_refused(accelerate_dcp: DcpCheckpoint, tmp_path: Path, lookup: str) -> None:
+    target = _copy(accelerate_dcp, tmp_path)
+    if lookup == "another member name":  # getattr on the allowed enum, for an attribute that is not a member
+        reduce = lambda self, proto: (getattr, (type(self), "__class__"))  # noqa: E731
+    else:  # getattr on another admitted global (a dict class), the first step of calling its methods
+        reduce = lambda self, proto: (getattr, (collections.OrderedDict, "fromkeys"))  # noqa: E731
+    _repickle_enum_members(target, reduce)
+    with pytest.raises(E.UnsafeCheckpointError, match="getattr outside the memory-format enum") as info:
+        dcp.open_dcp(target)
+    assert "\n" not in str(info.value) and "--trust-checkpoint" in str(info.value)
 
 
 def test_a_truncated_metadata_is_refused_as_damaged(accelerate_dcp: DcpCheckpoint, tmp_path: Path) -> None:
