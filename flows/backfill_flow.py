@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from prefect import flow, get_run_logger
+from prefect import get_run_logger
 from prefect.runtime import flow_run
 
 from mergeflow.config import (
@@ -31,6 +31,7 @@ from mergeflow.errors import UsageError
 from mergeflow.flows.fan_out import FanOut, FanOutError, settle
 from mergeflow.flows.heartbeats import skip_heartbeat_join
 from mergeflow.flows.merge import merge_flow
+from mergeflow.flows.prefect_flow import flow
 from mergeflow.flows.run_names import slug
 from mergeflow.flows.runners import make_task_runner
 from mergeflow.io.confinement import Confinement

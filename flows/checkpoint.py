@@ -12,7 +12,6 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
-from prefect import flow
 from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -34,6 +33,7 @@ from mergeflow.config import (
 from mergeflow.errors import UsageError
 from mergeflow.flows.heartbeats import skip_heartbeat_join
 from mergeflow.flows.merge import merge_flow
+from mergeflow.flows.prefect_flow import flow
 from mergeflow.flows.run_names import export_label, slug
 from mergeflow.flows.runners import make_task_runner
 from mergeflow.formats.verl_checkpoint import step_of

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from prefect import flow, get_run_logger
+from prefect import get_run_logger
 from prefect.context import FlowRunContext
 from prefect.futures import PrefectFuture
 from prefect.runtime import flow_run
@@ -33,6 +33,7 @@ from mergeflow.flows.export_run import (
 )
 from mergeflow.flows.heartbeats import skip_heartbeat_join
 from mergeflow.flows.interrupts import name_the_kept_staging
+from mergeflow.flows.prefect_flow import flow
 from mergeflow.flows.progress import (
     HASHING,
     INSPECTING,

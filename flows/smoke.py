@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from prefect import flow, get_run_logger
+from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
 from mergeflow.export.check.artifact_check import artifact_to_check
 from mergeflow.flows.heartbeats import skip_heartbeat_join
+from mergeflow.flows.prefect_flow import flow
 from mergeflow.flows.run_names import validate_label
 from mergeflow.io.confinement import confine_read
 from mergeflow.ops.smoke import check_device, runtime_markdown

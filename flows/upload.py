@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefect import flow
-
 from mergeflow.config import UploadSummary
 from mergeflow.flows.heartbeats import skip_heartbeat_join
+from mergeflow.flows.prefect_flow import flow
 from mergeflow.tasks.upload import upload_to_hub, verify_hub_upload
 from mergeflow.tasks.validate import validate_artifact_task
 

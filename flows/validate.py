@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from prefect import flow, get_run_logger
+from prefect import get_run_logger
 from prefect.runtime import flow_run
 
 from mergeflow.export.check.artifact_check import IntegrityResult, artifact_to_check
 from mergeflow.flows.heartbeats import skip_heartbeat_join
+from mergeflow.flows.prefect_flow import flow
 from mergeflow.flows.run_names import validate_label
 from mergeflow.io.confinement import confine_read
 from mergeflow.tasks.validate import validate_artifact_task, verify_signature_task

@@ -3,10 +3,10 @@
 import sys
 
 try:
-    from mergeflow.deployments.cli import main
+    from mergeflow.deployments.cli import entry
 except KeyboardInterrupt:  # Ctrl-C while Python was still importing: nothing had started
     print("mergeflow: interrupted (SIGINT) while starting; nothing was done", file=sys.stderr)
     raise SystemExit(130) from None
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    entry()
