@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from checkpoints import PRESETS, Preset, build_checkpoint  # noqa: E402
 from measure import floor_seconds, settle, status_kb  # noqa: E402
 from server import prefect_api  # noqa: E402
+from system_state import resident_fraction, unwritten_mb  # noqa: E402
 from timeline import Span, flow_timeline, summarise  # noqa: E402
 
 
@@ -53,15 +54,37 @@ class Run:
     flow_s: float
     peak_private_kb: int
     spans: list[Span] = field(default_factory=list)
+    # Where a run's time can vary from (issue 29.2): the input's share in the page cache and the data
+    # still to be written back when it starts, the most unwritten data during it, and the time before
+    # the flow run starts (imports, the server creating the run) and after it ends (exit, drains).
+    cached_in: float = 0.0
+    unwritten_start_mb: float = 0.0
+    unwritten_peak_mb: float = 0.0
+    before_s: float = 0.0
+    after_s: float = 0.0
 
     @property
     def ratio(self) -> float:
         return self.cli_s / self.floor_s
 
 
-def timed_command(argv: list[str], env: dict[str, str]) -> tuple[float, int]:
-    """(wall seconds from spawn to exit, peak private kB) of one command; it must succeed."""
+@dataclass
+class Timed:
+    """One command: wall seconds from spawn to exit, the epoch times of both, its peak private kB, and
+    the most data the kernel held unwritten (Dirty + Writeback) while it ran."""
+
+    wall_s: float
+    spawned: float
+    exited: float
+    peak_private_kb: int
+    unwritten_peak_mb: float
+
+
+def timed_command(argv: list[str], env: dict[str, str]) -> Timed:
+    """Run one command, which must succeed, sampling its memory and the machine's unwritten data."""
     peak = [0]
+    unwritten = [unwritten_mb()]
+    spawned = time.time()
     start = time.perf_counter()
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     stop = threading.Event()
@@ -69,17 +92,19 @@ def timed_command(argv: list[str], env: dict[str, str]) -> tuple[float, int]:
     def sample() -> None:
         while not stop.is_set():
             peak[0] = max(peak[0], status_kb(proc.pid)[1])
+            unwritten[0] = max(unwritten[0], unwritten_mb())
             time.sleep(0.05)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    out, err = proc.communicate()
+    _out, err = proc.communicate()
     elapsed = time.perf_counter() - start
+    exited = time.time()
     stop.set()
     sampler.join()
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(argv[:3])} failed ({proc.returncode}): {err.decode()[-2000:]}")
-    return elapsed, peak[0]
+    return Timed(elapsed, spawned, exited, peak[0], unwritten[0])
 
 
 def mergeflow_argv(*args: str) -> list[str]:
@@ -148,9 +173,10 @@ def bench_dtype(actor: Path, base: Path, work: Path, dtype: str, repeats: int, e
             runs, test_times = results[output_format]
             target = work / f"out-{dtype}-{output_format.replace('+', '-').replace('=', '').replace(':', '-')}-{i}"
             floor, floor_wb, floor_cache = round_floors or floors()
-            cli_s, peak = timed_command(mergeflow_argv("merge", "--backend", "fsdp", "--local_dir", str(actor),
-                                                       "--base_model", str(base), "--target_dir", str(target),
-                                                       *output_args(output_format), "--dtype", dtype), env)
+            cached_in, unwritten_start = resident_fraction(rank_files), unwritten_mb()
+            merge = timed_command(mergeflow_argv("merge", "--backend", "fsdp", "--local_dir", str(actor),
+                                                 "--base_model", str(base), "--target_dir", str(target),
+                                                 *output_args(output_format), "--dtype", dtype), env)
             kept = extraction_line(target)
             if kept is not None and i > 0:
                 print(f"  {output_format} round {i}: {kept}", flush=True)
@@ -160,8 +186,10 @@ def bench_dtype(actor: Path, base: Path, work: Path, dtype: str, repeats: int, e
             run, spans = flow_timeline(f"merge-{export_label(target, actor)}")
             flow_s = (run.end_time - run.start_time).total_seconds()
             if i > 0:
-                runs.append(Run(floor, floor_wb, floor_cache, cli_s, flow_s, peak, spans))
-                test_times.append(timed_command(mergeflow_argv("test", "--backend", "fsdp", "--test_hf_dir", str(target)), env)[0])
+                runs.append(Run(floor, floor_wb, floor_cache, merge.wall_s, flow_s, merge.peak_private_kb, spans,
+                                cached_in, unwritten_start, merge.unwritten_peak_mb,
+                                run.start_time.timestamp() - merge.spawned, merge.exited - run.end_time.timestamp()))
+                test_times.append(timed_command(mergeflow_argv("test", "--backend", "fsdp", "--test_hf_dir", str(target)), env).wall_s)
             shutil.rmtree(target)
     return results
 
@@ -188,6 +216,11 @@ def report(preset: Preset, nbytes: int, tensors: int, dtype: str, runs: list[Run
           f"{max(r.peak_private_kb for r in runs) / 1024:.0f} MiB; write throughput "
           f"{nbytes / statistics.median(r.cli_s for r in runs) / 1e6:.0f} MB/s (rank bytes / cli_s)")
     print(f"  mergeflow test of the artifact: {statistics.median(test_times):.2f} s (median of {len(test_times)})")
+    print("  each run: cli_s / durable floor; before + flow + after (s); input in the page cache at its start; "
+          "unwritten MB at its start and at most during it")
+    for r in runs:
+        print(f"    {r.cli_s:6.2f} / {r.floor_s:6.2f}  {r.before_s:5.2f} + {r.flow_s:6.2f} + {r.after_s:5.2f}  "
+              f"cached {r.cached_in:6.1%}  unwritten {r.unwritten_start_mb:7.0f} -> {r.unwritten_peak_mb:7.0f} MB")
     print(f"  task runs of the median run (ratio {mid.ratio:.2f}), seconds from the flow run's start:")
     print(f"    {'step':<22} {'runs':>4} {'from':>7} {'to':>7} {'task_s':>7}")
     for step, count, first, last, summed in summarise(mid.spans):
