@@ -250,6 +250,9 @@ def main() -> int:
         with prefect_api() as api_env:
             os.environ.update(api_env)  # this process reads the task runs from the same server
             env = dict(os.environ, PREFECT_TASKS_REFRESH_CACHE="true", HF_HUB_OFFLINE="1")
+            # Bytecode caching as a user's Python has it (PYTHONDONTWRITEBYTECODE, set on this project's
+            # machines, compiles mergeflow's modules from source in every command: 0.1 s).
+            env.pop("PYTHONDONTWRITEBYTECODE", None)
             tensors = _tensor_count(base)
             for dtype in args.dtypes:
                 results = bench_dtype(actor, base, work, dtype, args.repeats, env, args.output_formats, args.floor_per)
