@@ -77,14 +77,14 @@ class _Chunk:
         """[start, end) of a record's data, relative to the archive, inside the chunk's range."""
         header_end = record.header_offset + _LOCAL_HEADER.size
         if record.header_offset < 0 or header_end > self.length:
-            raise self.outside(record.name, record.header_offset, header_end)
+            raise self.outside(f"record {record.name}", record.header_offset, header_end)
         at = self.offset + record.header_offset
         signature, name_len, extra_len = _LOCAL_HEADER.unpack(self._whole[at : at + _LOCAL_HEADER.size])
         if signature != _LOCAL_SIGNATURE:
             raise NotFastReadable(f"record {record.name} has no local header")
         start = header_end + name_len + extra_len
         if start + record.size > self.length:
-            raise self.outside(record.name, start, start + record.size)
+            raise self.outside(f"record {record.name}", start, start + record.size)
         return start, start + record.size
 
     def data(self, record: StoredRecord) -> bytes:
