@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -30,7 +31,7 @@ from mergeflow.errors import (
     ShardLayoutError,
     UnsafeCheckpointError,
 )
-from mergeflow.formats import dcp_pickle
+from mergeflow.formats import dcp_mapped, dcp_pickle
 from mergeflow.formats.dcp_layout import (
     METADATA,
     SUFFIX,
@@ -38,6 +39,7 @@ from mergeflow.formats.dcp_layout import (
     not_a_dcp_dir,
     regular_file,
 )
+from mergeflow.formats.rank_pickle import MappedFile, NotFastReadable, map_file
 from mergeflow.formats.zip_records import (
     ByteRange,
     StoredRecord,
@@ -225,11 +227,18 @@ def _shard_dim(key: str, shape: tuple[int, ...], chunks: list[ChunkSource]) -> i
 
 
 class DcpChunks:
-    """Chunk tensors of a DCP, read on demand from their byte ranges: the DCP side of `RankStates.local`."""
+    """Chunk tensors of a DCP, read on demand from their byte ranges: the DCP side of `RankStates.local`.
+
+    Each chunk is read in place from its file's mapping (dcp_mapped: one mapping per file, held while
+    these chunks are in use, and by every tensor viewing it); a record that reader does not know is
+    read with torch's loader instead, with that loader's verdict and messages.
+    """
 
     def __init__(self, checkpoint: DcpCheckpoint) -> None:
         self.checkpoint = checkpoint
         self._by_key = {t.key: t for t in checkpoint.tensors.values()}
+        self._mapped: dict[str, MappedFile | None] = {}  # None: the file could not be mapped
+        self._lock = threading.Lock()
 
     def local(self, chunk: int, key: str) -> torch.Tensor:
         source = self._by_key[key].chunks[chunk]
@@ -237,26 +246,53 @@ class DcpChunks:
         if os.path.getsize(path) < source.offset + source.length:
             raise CheckpointError(f"{source.file} is truncated: {key} needs {source.length:,} bytes at {source.offset:,}; "
                                   "copy the checkpoint again")
-        try:
-            with open(path, "rb") as handle:
-                # torch reads the record from its byte range itself: no Python copy of the chunk first
-                tensor = torch.load(ByteRange(handle, source.offset, source.length), map_location="cpu", weights_only=True)
-        except Exception as exc:  # damage, or a payload the safe loader refuses
-            raise CheckpointError(f"{source.file}: the bytes of {key} at {source.offset:,} are damaged or not a tensor "
-                                  f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "
-                                  "copy the checkpoint again") from None
-        if type(tensor) is torch.nn.Parameter:
-            # dcp.save of a state dict holding Parameters (named_parameters(), state_dict(keep_vars=True))
-            # torch.saves each chunk as a Parameter: the same bytes, which the safe loader rebuilds as one.
-            tensor = tensor.detach()
-        if type(tensor) is not torch.Tensor:
-            raise CheckpointError(f"{source.file}: the record of {key} at {source.offset:,} holds a "
-                                  f"{type(tensor).__module__}.{type(tensor).__qualname__}, not a tensor; "
-                                  "only plain tensors (or Parameters) can be exported")
+        tensor = self._mapped_chunk(source, key)
+        if tensor is None:
+            tensor = _load_chunk(path, source, key)
         if tuple(tensor.shape) != source.sizes:
             raise CheckpointError(f"{source.file}: {key} chunk at {list(source.offsets)} holds {list(tensor.shape)}, "
                                   f"{METADATA} says {list(source.sizes)}")
         return tensor.contiguous()
+
+    def _mapped_chunk(self, source: ChunkSource, key: str) -> torch.Tensor | None:
+        """The chunk viewing its file's mapping; None where only torch's loader can read it."""
+        mapped = self._mapping(source.file)
+        if mapped is None:
+            return None
+        try:
+            return dcp_mapped.read_chunk(mapped, source.offset, source.length, f"{key} (chunk at {list(source.offsets)})")
+        except NotFastReadable:
+            return None
+
+    def _mapping(self, file: str) -> MappedFile | None:
+        with self._lock:  # the shard tasks' threads ask at once: one mapping per file
+            if file not in self._mapped:
+                try:
+                    self._mapped[file] = map_file(self.checkpoint.directory / file)
+                except (NotFastReadable, OSError, ValueError):  # an empty file, a filesystem without mmap
+                    self._mapped[file] = None
+            return self._mapped[file]
+
+
+def _load_chunk(path: Path, source: ChunkSource, key: str) -> torch.Tensor:
+    """One chunk read by torch's safe loader from its byte range (a copy): records the mapped reader leaves."""
+    try:
+        with open(path, "rb") as handle:
+            # torch reads the record from its byte range itself: no Python copy of the chunk first
+            tensor = torch.load(ByteRange(handle, source.offset, source.length), map_location="cpu", weights_only=True)
+    except Exception as exc:  # damage, or a payload the safe loader refuses
+        raise CheckpointError(f"{source.file}: the bytes of {key} at {source.offset:,} are damaged or not a tensor "
+                              f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "
+                              "copy the checkpoint again") from None
+    if type(tensor) is torch.nn.Parameter:
+        # dcp.save of a state dict holding Parameters (named_parameters(), state_dict(keep_vars=True))
+        # torch.saves each chunk as a Parameter: the same bytes, which the safe loader rebuilds as one.
+        tensor = tensor.detach()
+    if type(tensor) is not torch.Tensor:
+        raise CheckpointError(f"{source.file}: the record of {key} at {source.offset:,} holds a "
+                              f"{type(tensor).__module__}.{type(tensor).__qualname__}, not a tensor; "
+                              "only plain tensors (or Parameters) can be exported")
+    return tensor
 
 
 # --- the parsed `.metadata`, once per process, and the hash pass that CRC-checks every record ---------------

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import io
 import math
+import mmap
 import os
 import pickle
-import warnings
 import zipfile
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,9 @@ from typing import Any
 import torch
 
 from mergeflow.errors import CheckpointError
+from mergeflow.io.fs import FileStamp
+from mergeflow.io.session import current_session
+from mergeflow.io.stamped_cache import StampedCache
 
 # A rank file's state dict: key -> tensor (a DTensor, a local tensor or a fast-read sharded value),
 # or whatever else training saved beside the weights (checked by the caller).
@@ -274,7 +278,7 @@ _TABLE: dict[tuple[str, str], Any] = {
 
 
 class _ClosedUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, storage_of: Any) -> None:
+    def __init__(self, data: bytes, storage_of: StorageOf) -> None:
         super().__init__(io.BytesIO(data))
         self._storage_of = storage_of
 
@@ -288,7 +292,74 @@ class _ClosedUnpickler(pickle.Unpickler):
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageType)):
             raise NotFastReadable("a persistent id that is not a storage")
         _, storage_type, key, _location, numel = pid
-        return self._storage_of(str(key), storage_type.dtype, int(numel))
+        return _Storage(self._storage_of(str(key), storage_type.dtype, int(numel)), storage_type.dtype)
+
+
+# (storage key, dtype, element count) -> the storage's bytes; called once per storage reference in the pickle.
+StorageOf = Callable[[str, torch.dtype, int], torch.UntypedStorage]
+
+
+def closed_load(pickled: bytes, storage_of: StorageOf) -> Any:
+    """A `torch.save` pickle run through the closed table; `storage_of` supplies each storage's bytes.
+
+    The same storage key asked twice gets `storage_of`'s answer twice: callers that map bytes return
+    views of one mapping, so both tensors share them as torch's loader would.
+    """
+    return _ClosedUnpickler(pickled, storage_of).load()
+
+
+# --- the file mapping both readers view tensors in (rank files here, `.distcp` chunks in dcp_mapped) -----------
+
+@dataclass(eq=False)
+class MappedFile:
+    """One file mapped copy-on-write for an export: tensors view its pages (the page cache's), never a copy.
+
+    Copy-on-write (MAP_PRIVATE), as torch's `from_file(shared=False)` maps: a tensor written in place gets
+    private pages and the file never changes. Every tensor viewing it holds a buffer export of `buffer`,
+    so the mapping lives as long as any of them, whatever happens to the session's cache.
+    """
+
+    path: Path
+    buffer: mmap.mmap
+    size: int
+    address: int  # where byte 0 is mapped: torch needs a typed view aligned to its element size
+
+    def aligned(self, offset: int, dtype: torch.dtype) -> bool:
+        return (self.address + offset) % storage_nbytes(dtype, 1) == 0
+
+
+def map_file(path: Path) -> MappedFile:
+    """`path` mapped once per export (its session), per file stamp: a rewritten file is mapped anew."""
+    cache: StampedCache[MappedFile] = current_session().cache("mapped-files", capacity=_MAPPED_FILES)
+    return cache.get_or_load((os.fspath(path), FileStamp.of(path), False), lambda: _map(path))
+
+
+_MAPPED_FILES = 256  # rank files or .distcp files held mapped per export (an evicted one lives on in its tensors)
+
+
+def _map(path: Path) -> MappedFile:
+    # The mapping keeps its own reference to the file: the descriptor can go.
+    with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size == 0:
+            raise NotFastReadable("an empty file")
+        buffer = mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_COPY)
+    address = torch.frombuffer(buffer, dtype=torch.uint8, count=1).data_ptr()
+    return MappedFile(Path(path), buffer, size, address)
+
+
+def storage_nbytes(dtype: torch.dtype, numel: int) -> int:
+    """Bytes of a storage of `numel` elements of `dtype`."""
+    return numel * torch.empty((), dtype=dtype).element_size()
+
+
+def storage_view(mapped: MappedFile, offset: int, nbytes: int) -> torch.UntypedStorage:
+    """The storage over bytes [offset, offset + nbytes) of the mapping, without a copy (ValueError outside the file)."""
+    if offset < 0 or nbytes < 0 or offset + nbytes > mapped.size:
+        raise ValueError(f"bytes {offset:,}-{offset + nbytes:,} lie outside {mapped.path.name} ({mapped.size:,} bytes)")
+    if nbytes == 0:  # frombuffer refuses an empty view; an empty storage views nothing
+        return torch.UntypedStorage(0)
+    return torch.frombuffer(mapped.buffer, dtype=torch.uint8, count=nbytes, offset=offset).untyped_storage()
 
 
 def read_rank_file(path: Path) -> StateDict:
@@ -308,27 +379,26 @@ def _read(path: Path) -> StateDict:
     reader = torch._C.PyTorchFileReader(str(path))
     if reader.has_record("byteorder") and reader.get_record("byteorder") != b"little":
         raise NotFastReadable("a big-endian archive")
-    size = os.path.getsize(path)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        whole = torch.UntypedStorage.from_file(os.fspath(path), False, size)
-    storages: dict[str, _Storage] = {}
+    mapped = map_file(path)
+    storages: dict[str, tuple[torch.UntypedStorage, torch.dtype]] = {}
 
-    def storage_of(key: str, dtype: torch.dtype, numel: int) -> _Storage:
+    def storage_of(key: str, dtype: torch.dtype, numel: int) -> torch.UntypedStorage:
         found = storages.get(key)
         if found is None:
-            nbytes = numel * torch.empty((), dtype=dtype).element_size()
+            nbytes = storage_nbytes(dtype, numel)
             offset = reader.get_record_offset(f"data/{key}")
-            if offset + nbytes > size:
+            if offset + nbytes > mapped.size:
                 raise NotFastReadable(f"storage {key} runs past the end of the file")
-            found = storages[key] = _Storage(whole[offset : offset + nbytes], dtype)
-        elif found.dtype != dtype:
+            if not mapped.aligned(offset, dtype):  # torch.save aligns its records: not its layout
+                raise NotFastReadable(f"storage {key} is not aligned for {dtype}")
+            found = storages[key] = (storage_view(mapped, offset, nbytes), dtype)
+        elif found[1] != dtype:
             raise NotFastReadable(f"storage {key} is read with two dtypes")
-        return found
+        return found[0]
 
     pickled = reader.get_record("data.pkl")
     _check_pickle_crc(path, pickled)
-    state = _ClosedUnpickler(pickled, storage_of).load()
+    state = closed_load(pickled, storage_of)
     if not isinstance(state, dict):
         raise NotFastReadable("not a dict")
     return dict(state)
