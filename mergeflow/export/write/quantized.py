@@ -1,11 +1,13 @@
 """Writing an fp8 single file: the safetensors writer, plus the proof of every quantized tensor.
 
 The shard writer builds each float8 weight and its scale one tensor at a time (an `ArchitectureOp`,
-mergeflow/architectures/quantization.py). When the file is read back, `verify_quantized` recomputes
-each from its bit-verified sources, compares the written bytes with them, dequantizes the written
-weight and checks every element against the fp8 bound; the numbers it measures (scale, errors, the
-source's sha256) are kept in `work/quantization-<index>.json` for the manifest, so a resumed export
-that reuses a verified file still has them.
+mergeflow/architectures/quantization.py). A weight is quantized once, from its bit-verified sources
+(`quantized_weight`), in the same pass that dequantizes it and checks every element against the fp8
+bound; the read-back that follows the writer then compares the file's bytes with that tensor, so the
+file is not re-read and the weight not quantized again. Each scale is compared, after writing, with
+the one its weight's pass computed. The numbers measured (scale, errors, the source's sha256) are kept
+in `work/quantization-<index>.json` for the manifest, so a resumed export that reuses a verified file
+still has them; a reused file whose records were lost is proven again by `verify_quantized`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,12 @@ from typing import Any
 
 import torch
 
-from mergeflow.architectures.quantization import OP_SCALE, OP_WEIGHT, quantize, scale_of
+from mergeflow.architectures.quantization import (
+    OP_SCALE,
+    OP_WEIGHT,
+    quantize_measured,
+    scale_of,
+)
 from mergeflow.errors import CheckpointError
 from mergeflow.export.reconstruct.rebuild import PieceSource, bits, cast
 from mergeflow.io.jsonfiles import write_json_durable
@@ -39,20 +46,36 @@ def _source(spec: ArchitectureOp, states: PieceSource) -> torch.Tensor:
     return cast(tensor, str(spec.params["source_dtype"]), "a tensor to quantize")
 
 
+def is_quantized_weight(tw: TensorWrite) -> bool:
+    return isinstance(tw.transform, ArchitectureOp) and tw.transform.op == OP_WEIGHT
+
+
+def quantized_weight(tw: TensorWrite, states: PieceSource) -> torch.Tensor:
+    """The float8 weight to write, quantized from its bit-verified source and proven within the fp8 bound
+    in the same pass; its record and scale are kept for the manifest and the scale's check."""
+    assert isinstance(tw.transform, ArchitectureOp)
+    source = _source(tw.transform, states)
+    scale = scale_of(source)
+    q, stats = quantize_measured(source, scale, tw.name)
+    _keep(tw, states, stats, scale)
+    return q
+
+
+def _keep(tw: TensorWrite, states: PieceSource, stats: dict[str, Any], scale: torch.Tensor) -> None:
+    with _LOCK:
+        _STATS[id(states), tw.name] = stats
+        _SCALES[id(states), tw.name.removesuffix(".weight") + ".weight_scale"] = scale
+
+
 def verify_quantized(tw: TensorWrite, spec: ArchitectureOp, written: torch.Tensor, states: PieceSource) -> None:
     """The written weight (or scale) is what its verified source gives, and the weight is within the fp8 bound."""
-    from mergeflow.architectures.quantization import error_stats
-
     if spec.op == OP_WEIGHT:
         source = _source(spec, states)
         scale = scale_of(source)
-        expected = quantize(source, scale)
+        expected, stats = quantize_measured(source, scale, tw.name)
         if written.dtype != expected.dtype or not torch.equal(bits(expected), bits(written)):
             raise CheckpointError(f"{tw.name}: round trip failed, the written float8 weight differs from its quantized source")
-        stats = error_stats(source, written, scale, tw.name)
-        with _LOCK:
-            _STATS[id(states), tw.name] = stats
-            _SCALES[id(states), tw.name.removesuffix(".weight") + ".weight_scale"] = scale
+        _keep(tw, states, stats, scale)
         return
     if spec.op != OP_SCALE:
         raise CheckpointError(f"{tw.name}: {spec.op!r} is no quantization op")
@@ -65,7 +88,7 @@ def verify_quantized(tw: TensorWrite, spec: ArchitectureOp, written: torch.Tenso
 
 
 def _quantized(shard: ShardPlan) -> list[TensorWrite]:
-    return [t for t in shard.tensors if isinstance(t.transform, ArchitectureOp) and t.transform.op == OP_WEIGHT]
+    return [t for t in shard.tensors if is_quantized_weight(t)]
 
 
 def stats_path(work_dir: Path, index: int) -> Path:
