@@ -1,11 +1,12 @@
-"""The one-pass FP8 quantize-and-measure (`quantize_measured`) and the read-back that proves the written weights.
+"""The one-pass quantize-and-measure of the FP8 and GGUF Q8_0 exports, and the read-back of the FP8 weights.
 
-The export quantizes each weight once, in blocks, measuring its errors in the same pass, and the writer's
-read-back compares the file with that tensor. Here: on a real model's weights and on odd sizes and edge
-values, the one pass gives exactly the bytes of `quantize` and exactly the record of `error_stats` (the
-straightforward whole-tensor computation the manifests were made with before), it refuses what was refused
-before (inf, nan, a dequantized value off its bound), and a write that puts other bytes in the file than the
-ones measured fails the export.
+FP8 (`quantize_measured`): the export quantizes each weight once, in blocks, measuring its errors in the same
+pass, and the writer's read-back compares the file with that tensor. Q8_0 (`q8_0_encode`): gguf-py quantizes
+runs of blocks, each measured and hashed as it is made. Here: on a real model's weights and on odd sizes and
+edge values, the one pass gives exactly the bytes and exactly the records (every number, every digest) of
+the straightforward whole-tensor computations the manifests were made with before; it refuses what was
+refused before (inf, nan, a dequantized value off its bound); and a write that puts other bytes in the file
+than the ones measured fails the export.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from builders import make_export
@@ -132,3 +134,46 @@ def test_a_write_of_other_bytes_than_the_measured_weight_fails_the_export(tmp_pa
     with pytest.raises(Exception, match="round trip failed, cast piece 0 differs from the written bytes"):
         merge_model(ex.config(tmp_path / "fp8", output_format="single_file", quantize="fp8"))
     assert not (tmp_path / "fp8" / "merge_manifest.json").exists()
+
+
+# --- GGUF Q8_0 ------------------------------------------------------------------------------------
+
+def _whole_tensor_q8_0(tensor: torch.Tensor, stored_shape: tuple[int, ...]) -> tuple[np.ndarray, dict[str, object]]:
+    """The figures as the writer computed them before: gguf-py on the whole tensor, then each figure in turn."""
+    from mergeflow.export.write.gguf_writer import tensor_bytes_sha256
+    from mergeflow.formats.gguf_quant import (
+        q8_0_dequantize,
+        q8_0_errors,
+        q8_0_quantize,
+        stored_figures,
+    )
+
+    values = tensor.to(torch.float32).reshape(stored_shape)
+    stored = torch.from_numpy(q8_0_quantize(values.numpy()))
+    dequantized = q8_0_dequantize(stored)
+    record = {"source_sha256": tensor_bytes_sha256(tensor),
+              **stored_figures(stored.numpy(), "Q8_0", dequantized.numpy()).to_json(),
+              **q8_0_errors(values, stored, dequantized)}
+    return stored.numpy(), record
+
+
+def test_q8_0_one_pass_gives_the_bytes_and_figures_of_the_whole_tensor_computation() -> None:
+    from mergeflow.formats.gguf_quant import Q8_0_RUN, q8_0_encode
+
+    g = torch.Generator().manual_seed(6)
+    odd = torch.randn(3, Q8_0_RUN + 5 * 32, generator=g) * 0.02  # runs that end mid-row, a short last run
+    odd[1, :64] = 0  # all-zero blocks
+    odd[2, 32] = 1000.0  # one large value in a block
+    cases = [*_flux_weights(), ("odd", odd), ("tiny_scales", torch.randn(4, 96, generator=g) * 1e-9),
+             ("overflow", torch.full((2, 64), 1e7))]  # a float16 scale that overflows: bound_ratio inf, as before
+    checked = 0
+    for name, values in cases:
+        source = values.to(torch.bfloat16)
+        if source.shape[-1] % 32:
+            continue  # never Q8_0 (the layout keeps such tensors F32/BF16)
+        want_stored, want = _whole_tensor_q8_0(source, tuple(source.shape))
+        got = q8_0_encode(source, tuple(source.shape))
+        assert got.stored.shape == want_stored.shape and np.array_equal(got.stored, want_stored), name
+        assert {"source_sha256": got.source_sha256, **got.figures.to_json(), **got.errors} == want, name
+        checked += 1
+    assert checked > 20
