@@ -156,7 +156,7 @@ class Q8_0Encoded:
     errors: dict[str, float]
 
 
-Q8_0_RUN = 1 << 16  # values per run of q8_0_encode (2,048 blocks): every temporary a few hundred KiB
+Q8_0_RUN = 1 << 14  # values per run of q8_0_encode (512 blocks): see there
 
 
 def q8_0_encode(tensor: torch.Tensor, stored_shape: tuple[int, ...]) -> Q8_0Encoded:
@@ -167,7 +167,9 @@ def q8_0_encode(tensor: torch.Tensor, stored_shape: tuple[int, ...]) -> Q8_0Enco
     by run gives the bytes it gives the whole tensor; the digests are updated run by run in file order and
     the maxima are per-block values, so every figure equals the whole-tensor computation's. Only the stored
     bytes are tensor-sized; the whole-tensor path's float32 and float64 copies (each a fresh allocation the
-    kernel zero-fills page by page) become run-sized buffers that stay in cache.
+    kernel zero-fills page by page) become run-sized buffers that stay in cache. A run stays under torch's
+    grain size (32,768 elements), so its ops run on the calling thread: split across threads, the float64
+    per-block reductions wait on a core that a loaded machine's other work holds, and ran 5x slower.
     """
     import gguf
     import torch
