@@ -147,6 +147,8 @@ def _encode(tw: TensorWrite, enc: TensorEncoding, tensor: torch.Tensor) -> tuple
 
 
 def _write_gguf(shard: ShardPlan, states: PieceSource, tensor_dir: Path, work_dir: Path) -> ShardRecord:
+    from concurrent.futures import ThreadPoolExecutor
+
     import gguf
     import numpy as np
 
@@ -190,8 +192,11 @@ def _write_gguf(shard: ShardPlan, states: PieceSource, tensor_dir: Path, work_di
         os.fsync(writer.fout[0].fileno())
     finally:
         writer.close()
-    verify_gguf(partial, arch.name, encodings, records)
-    digest = sha256_file(partial)
+    # The file's sha256, from the page cache on the other core while the read-back hashes each tensor.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256-file") as pool:
+        file_hash = pool.submit(sha256_file, partial)
+        verify_gguf(partial, arch.name, encodings, records)
+        digest = file_hash.result()
     os.replace(partial, final)
     fsync_dir(final.parent)
     record = ShardRecord(file_name=shard.file_name, sha256=digest, size=final.stat().st_size,
