@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from builders import make_export
+from test_single_file import FILE
 
 from mergeflow import merge_model
 from mergeflow.architectures import quantization
@@ -177,3 +178,32 @@ def test_q8_0_one_pass_gives_the_bytes_and_figures_of_the_whole_tensor_computati
         assert {"source_sha256": got.source_sha256, **got.figures.to_json(), **got.errors} == want, name
         checked += 1
     assert checked > 20
+
+
+# --- FP8 scales from the source pieces' range -----------------------------------------------------
+
+def test_scales_from_the_pieces_range_are_the_whole_source_s(tmp_path: Path, prefect_api: object,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # Flux: fused (cat) sources; float32 ranks cast to bf16, so the cast of the min and max is what is compared.
+    from mergeflow.export.write import quantized, shard_writer
+    from mergeflow.lora import fusion
+
+    ex = make_export(tmp_path / "ckpt", "FluxTransformer2DModel", world_size=2, dtype=torch.float32)
+    whole: list[str] = []
+    real = fusion.transformed_tensor
+
+    def counted(tw: object, *args: object, **kwargs: object) -> torch.Tensor:
+        if quantized.is_quantized_scale(tw):  # type: ignore[arg-type]
+            whole.append(tw.name)  # type: ignore[attr-defined]
+        return real(tw, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fusion, "transformed_tensor", counted)
+    ranged = Path(merge_model(ex.config(tmp_path / "ranged", output_format="single_file", quantize="fp8",
+                                        dtype="bfloat16")).output_dir)
+    assert not whole  # every scale came from its pieces' range
+    monkeypatch.setattr(shard_writer, "quantized_scale", lambda tw, states: counted(tw, states))
+    computed = Path(merge_model(ex.config(tmp_path / "whole", output_format="single_file", quantize="fp8",
+                                          dtype="bfloat16")).output_dir)
+    assert whole  # this time each scale was computed from its whole cast source
+    assert (ranged / FILE).read_bytes() == (computed / FILE).read_bytes()
+    assert (ranged / "merge_manifest.json").read_bytes() == (computed / "merge_manifest.json").read_bytes()

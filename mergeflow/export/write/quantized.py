@@ -61,6 +61,63 @@ def quantized_weight(tw: TensorWrite, states: PieceSource) -> torch.Tensor:
     return q
 
 
+def is_quantized_scale(tw: TensorWrite) -> bool:
+    return isinstance(tw.transform, ArchitectureOp) and tw.transform.op == OP_SCALE
+
+
+def quantized_scale(tw: TensorWrite, states: PieceSource) -> torch.Tensor:
+    """A weight's scale to write, from the min and max of its source's rank pieces: no whole copy of the source.
+
+    Scales come first in the file (float32 before float8), so each is computed before its weight; a cast is
+    monotonic, so the min and max of the cast tensor are the cast min and max, and `scale_of` of those two
+    values is `scale_of` of the cast source. The written scale is compared, after writing, with the one its
+    weight's pass computed from the verified source. A source that is not rank pieces moved by value-keeping
+    ops (a fused LoRA weight) is computed whole, as before.
+    """
+    from mergeflow.lora.fusion import transformed_tensor
+
+    spec = tw.transform
+    assert isinstance(spec, ArchitectureOp)
+    found = _value_range(spec.inputs[0], states)
+    if found is None:
+        return transformed_tensor(tw, states)
+    # The casts the whole path makes (refusing an overflow the same way), on the two values.
+    return scale_of(cast(torch.stack(found), str(spec.params["source_dtype"]), "a tensor to quantize"))
+
+
+# Original-layout ops that only move values: the moved tensor's min and max are its sources'.
+_VALUE_KEEPING = ("cat", "swap_halves", "rename")
+
+
+def _value_range(source: object, states: PieceSource) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(min, max) of a source tensor, in the dtype it is read as, from its pieces; None where that is not known."""
+    from mergeflow.architectures.original_layout import ORIGINAL_LAYOUT
+    from mergeflow.architectures.registry import adapter_for_op
+    from mergeflow.export.reconstruct.rebuild import verified_chunks
+    from mergeflow.records import CheckpointSource, ComputedSource
+
+    if isinstance(source, CheckpointSource):
+        # Finiteness is left to scale_of: an inf or nan piece makes its min or max inf or nan.
+        chunks = [c for c in verified_chunks(source.layout, states, check_values=False) if c.numel()]
+        if not chunks:
+            return None
+        ends = [torch.aminmax(c) for c in chunks]
+        return torch.stack([lo for lo, _ in ends]).min(), torch.stack([hi for _, hi in ends]).max()
+    if not isinstance(source, ComputedSource):
+        return None
+    spec = source.write.transform
+    if (not isinstance(spec, ArchitectureOp) or spec.op not in _VALUE_KEEPING
+            or adapter_for_op(spec.op) is not ORIGINAL_LAYOUT):
+        return None
+    found = [_value_range(s, states) for s in spec.inputs]
+    if not found or any(f is None for f in found) or len({f[0].dtype for f in found if f}) != 1:
+        return None
+    lows, highs = torch.stack([f[0] for f in found if f]), torch.stack([f[1] for f in found if f])
+    # The computed write is cast to its dtype (transformed_tensor), refusing an overflow there.
+    low, high = cast(torch.stack([lows.min(), highs.max()]), source.write.out_dtype, source.write.name)
+    return low, high
+
+
 def _keep(tw: TensorWrite, states: PieceSource, stats: dict[str, Any], scale: torch.Tensor) -> None:
     with _LOCK:
         _STATS[id(states), tw.name] = stats

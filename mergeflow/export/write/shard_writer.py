@@ -26,7 +26,12 @@ from mergeflow.export.reconstruct.rebuild import (
     verified_chunks,
     verify_round_trip,
 )
-from mergeflow.export.write.quantized import is_quantized_weight, quantized_weight
+from mergeflow.export.write.quantized import (
+    is_quantized_scale,
+    is_quantized_weight,
+    quantized_scale,
+    quantized_weight,
+)
 from mergeflow.export.write.readback import FollowingReadBack, read_exact
 from mergeflow.formats.manifest import fingerprint
 from mergeflow.formats.safetensors_format import (
@@ -352,6 +357,8 @@ def _write_tensor(writer: HashingWriter, tw: TensorWrite, states: PieceSource, f
         # Quantized once from verified sources and proven within its bound (quantized.py): the read-back
         # below compares the file with this tensor instead of quantizing it again after writing.
         pieces: Iterable[torch.Tensor] = [quantized_weight(tw, states)]
+    elif is_quantized_scale(tw):  # a scalar, from the source pieces' min and max; compared with the weight's after writing
+        pieces = [quantized_scale(tw, states)]
     elif tw.transform is not None:
         pieces = [transformed_tensor(tw, states)]
     else:
