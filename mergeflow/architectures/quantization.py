@@ -125,14 +125,97 @@ def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return y.to(torch.float8_e4m3fn)
 
 
+MEASURE_BLOCK = 32768  # elements per block of quantize_measured: its float32 buffers stay in the core's cache
+
+
+def quantize_measured(source: torch.Tensor, scale: torch.Tensor, name: str) -> tuple[torch.Tensor, dict[str, Any]]:
+    """`quantize(source, scale)` and `error_stats` of it, in one pass over the tensor, block by block.
+
+    Each block is cast to float32, divided and cast to float8 exactly as `quantize` does (the same torch
+    ops on the same values, so the same bytes), dequantized through the 256-entry e4m3 table (`fp8 ->
+    float32` is exact, the table is torch's own cast of every byte), and checked against the bound with
+    the same float32 operations as `error_stats`; the maxima and the source's sha256 accumulate per block.
+    Elementwise float32 results do not depend on the blocking, so the record equals `error_stats`'s.
+    Reused block buffers replace `error_stats`' whole-tensor temporaries (each a fresh allocation the
+    kernel zero-fills page by page): the pass costs a few times the cast instead of tens of times.
+    """
+    import math
+
+    import torch
+
+    from mergeflow.errors import CheckpointError
+
+    flat = source.contiguous().reshape(-1)
+    out = torch.empty(flat.shape, dtype=torch.float8_e4m3fn)
+    n = flat.numel()
+    size = max(1, min(MEASURE_BLOCK, n))
+    x, y, err, bound = (torch.empty(size, dtype=torch.float32) for _ in range(4))
+    exponent, index = torch.empty(size, dtype=torch.int32), torch.empty(size, dtype=torch.int32)
+    table = _e4m3_table()
+    half_scale = 0.5 * float(scale)
+    digest = hashlib.sha256()
+    max_abs = amax = 0.0
+    for start in range(0, n, size):
+        m = min(size, n - start)
+        src, xb, yb, eb, bb, ib = flat[start:start + m], x[:m], y[:m], err[:m], bound[:m], index[:m]
+        digest.update(memoryview(src.view(torch.uint8).numpy()))
+        xb.copy_(src)
+        torch.div(xb, scale, out=yb)
+        torch.frexp(yb, out=(bb, exponent[:m]))  # y = x / scale before the clamp, as error_stats takes it
+        q = out[start:start + m]
+        q.copy_(yb.clamp_(-E4M3_MAX, E4M3_MAX))
+        ib.copy_(q.view(torch.uint8))
+        torch.index_select(table, 0, ib, out=eb)
+        eb.mul_(scale).sub_(xb).abs_()
+        # Half an ulp times the scale, 2**(max(e - 1, -6) - 3) * (scale / 2): the power of two built from
+        # its exponent bits (exp2 of those integers is exact, so this is its value), then error_stats' product.
+        ib.copy_(exponent[:m]).sub_(1).clamp_(min=E4M3_MIN_NORMAL_EXP).add_(127 - E4M3_MANTISSA_BITS)
+        torch.mul(ib.bitwise_left_shift_(23).view(torch.float32), half_scale, out=bb)
+        block_amax = float(torch.abs(xb, out=yb).max())
+        if not math.isfinite(block_amax):  # scale_of refuses them first; an inf would pass the bound (inf <= inf)
+            raise CheckpointError(f"{name} holds inf or nan values; refusing to export a broken weight")
+        bb.add_(yb, alpha=FLOAT32_SLACK)
+        if not bool(torch.le(eb, bb).all()):
+            worst = int(torch.argmax(eb - bb))
+            raise _beyond_bound(name, start + worst, float(eb[worst]), float(bb[worst]))
+        max_abs = max(max_abs, float(eb.max()))
+        amax = max(amax, block_amax)
+    return out.reshape(source.shape), _record(float(scale), amax, max_abs, source.dtype, digest.hexdigest())
+
+
+def _e4m3_table() -> torch.Tensor:
+    """float32 value of each of the 256 e4m3fn bytes, by torch's own cast."""
+    import torch
+
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+
+
+def _beyond_bound(name: str, element: int, err: float, bound: float) -> Exception:
+    from mergeflow.errors import CheckpointError
+
+    return CheckpointError(f"{name}: dequantized element {element} is {err:.3e} from its source, "
+                           f"beyond half an e4m3 ulp times the scale ({bound:.3e})")
+
+
+def _record(scale: float, amax: float, max_abs: float, dtype: torch.dtype, sha256: str) -> dict[str, Any]:
+    return {
+        "scale": scale,
+        "amax": amax,
+        "max_abs_error": max_abs,
+        # Relative to the tensor's absolute maximum: element-wise relative errors are 1 for every
+        # value that rounds to 0, so the tensor's range is the meaningful denominator.
+        "max_rel_error": max_abs / amax if amax else 0.0,
+        "source_dtype": str(dtype).removeprefix("torch."),
+        "source_sha256": sha256,
+    }
+
+
 def error_stats(source: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, name: str) -> dict[str, Any]:
     """Dequantize `q`, check every element against the bound, and return the manifest's record.
 
     `source` is the unquantized tensor in the export dtype (its bytes are hashed here).
     """
     import torch
-
-    from mergeflow.errors import CheckpointError
 
     # Few full-size temporaries (float32 and int32 copies of the tensor): peak about four of them.
     x = source.to(torch.float32)
@@ -146,8 +229,7 @@ def error_stats(source: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, name
     bound.add_(x.abs(), alpha=FLOAT32_SLACK)
     if not bool((err <= bound).all()):
         worst = int(torch.argmax(err - bound))
-        raise CheckpointError(f"{name}: dequantized element {worst} is {float(err.reshape(-1)[worst]):.3e} from its "
-                              f"source, beyond half an e4m3 ulp times the scale ({float(bound.reshape(-1)[worst]):.3e})")
+        raise _beyond_bound(name, worst, float(err.reshape(-1)[worst]), float(bound.reshape(-1)[worst]))
     del bound
     if x.numel():
         low, high = torch.aminmax(x)
@@ -156,16 +238,7 @@ def error_stats(source: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, name
         amax = 0.0
     max_abs = float(err.max()) if err.numel() else 0.0
     raw = source.contiguous().reshape(-1).view(torch.uint8).numpy()
-    return {
-        "scale": s,
-        "amax": amax,
-        "max_abs_error": max_abs,
-        # Relative to the tensor's absolute maximum: element-wise relative errors are 1 for every
-        # value that rounds to 0, so the tensor's range is the meaningful denominator.
-        "max_rel_error": max_abs / amax if amax else 0.0,
-        "source_dtype": str(source.dtype).removeprefix("torch."),
-        "source_sha256": hashlib.sha256(memoryview(raw)).hexdigest(),
-    }
+    return _record(s, amax, max_abs, source.dtype, hashlib.sha256(memoryview(raw)).hexdigest())
 
 
 def check_record(key: str, record: Mapping[str, Any], file_scale: float) -> str | None:

@@ -122,17 +122,87 @@ def q8_0_errors(source: torch.Tensor, stored: torch.Tensor, dequantized: torch.T
     bounds = torch.from_numpy(q8_0_bounds(q8_0_scales(stored.numpy())))
     worst = {"max_abs_error": 0.0, "max_rel_error": 0.0, "bound_ratio": 0.0}
     for start in range(0, x_all.shape[0], _ERROR_RUN):
-        x = x_all[start:start + _ERROR_RUN].to(torch.float64)
-        err = (x - y_all[start:start + _ERROR_RUN].to(torch.float64)).abs().amax(dim=1)
-        amax = x.abs().amax(dim=1)
-        # A scale that overflowed float16 dequantizes to inf or nan: never within any bound (nan would
-        # otherwise slip through the comparisons below).
-        err = torch.nan_to_num(err, nan=torch.inf)
-        rel = torch.where(amax > 0, err / torch.where(amax > 0, amax, 1.0), 0.0)
-        ratio = torch.nan_to_num(err / bounds[start:start + _ERROR_RUN], nan=torch.inf)
-        for key, value in (("max_abs_error", err.max()), ("max_rel_error", rel.max()), ("bound_ratio", ratio.max())):
-            worst[key] = max(worst[key], float(value))
+        end = start + _ERROR_RUN
+        _worst_of_run(worst, x_all[start:end], y_all[start:end], bounds[start:end])
     return worst
 
 
+def _worst_of_run(worst: dict[str, float], x32: torch.Tensor, y32: torch.Tensor, bounds: torch.Tensor) -> None:
+    """Fold one run of blocks (rows of 32 float32 values, their dequantized values and bounds) into `worst`."""
+    import torch
+
+    x = x32.to(torch.float64)
+    err = (x - y32.to(torch.float64)).abs().amax(dim=1)
+    amax = x.abs().amax(dim=1)
+    # A scale that overflowed float16 dequantizes to inf or nan: never within any bound (nan would
+    # otherwise slip through the comparisons below).
+    err = torch.nan_to_num(err, nan=torch.inf)
+    rel = torch.where(amax > 0, err / torch.where(amax > 0, amax, 1.0), 0.0)
+    ratio = torch.nan_to_num(err / bounds, nan=torch.inf)
+    for key, value in (("max_abs_error", err.max()), ("max_rel_error", rel.max()), ("bound_ratio", ratio.max())):
+        worst[key] = max(worst[key], float(value))
+
+
 _ERROR_RUN = 1 << 15  # blocks per run of q8_0_errors: 1 Mi values
+
+
+@dataclass(frozen=True)
+class Q8_0Encoded:
+    """One tensor's Q8_0 bytes and every figure the writer records of it, from `q8_0_encode`."""
+
+    stored: np.ndarray  # uint8, shaped as gguf-py shapes a quantized tensor's bytes
+    source_sha256: str
+    figures: StoredFigures
+    errors: dict[str, float]
+
+
+Q8_0_RUN = 1 << 14  # values per run of q8_0_encode (512 blocks): see there
+
+
+def q8_0_encode(tensor: torch.Tensor, stored_shape: tuple[int, ...]) -> Q8_0Encoded:
+    """gguf-py's Q8_0 of a tensor and its figures (`stored_figures`, `q8_0_errors`, the source's sha256), in one
+    pass over runs of blocks.
+
+    Q8_0 blocks are independent and a stored row is whole blocks, so gguf-py quantizing the flat values run
+    by run gives the bytes it gives the whole tensor; the digests are updated run by run in file order and
+    the maxima are per-block values, so every figure equals the whole-tensor computation's. Only the stored
+    bytes are tensor-sized; the whole-tensor path's float32 and float64 copies (each a fresh allocation the
+    kernel zero-fills page by page) become run-sized buffers that stay in cache. A run stays under torch's
+    grain size (32,768 elements), so its ops run on the calling thread: split across threads, the float64
+    per-block reductions wait on a core that a loaded machine's other work holds, and ran 5x slower.
+    """
+    import gguf
+    import torch
+
+    flat = tensor.contiguous().reshape(-1)
+    n = flat.numel()
+    if n % Q8_0_BLOCK or (stored_shape and stored_shape[-1] % Q8_0_BLOCK):
+        raise ValueError(f"Q8_0 needs rows of whole {Q8_0_BLOCK}-value blocks, got shape {stored_shape}")
+    stored = np.empty(n // Q8_0_BLOCK * Q8_0_BYTES, dtype=np.uint8)
+    run = max(Q8_0_BLOCK, min(Q8_0_RUN, n))
+    values = torch.empty(run, dtype=torch.float32)
+    digests = {name: hashlib.sha256() for name in ("source", "stored", "dequantized")}
+    worst = {"max_abs_error": 0.0, "max_rel_error": 0.0, "bound_ratio": 0.0}
+    scale_min, scale_max, max_bound = np.inf, 0.0, 0.0
+    for start in range(0, n, run):
+        m = min(run, n - start)
+        source = flat[start:start + m]
+        digests["source"].update(memoryview(source.view(torch.uint8).numpy()))
+        x = values[:m]
+        x.copy_(source)
+        encoded = gguf.quants.quantize(x.numpy(), gguf.GGMLQuantizationType.Q8_0)
+        stored[start // Q8_0_BLOCK * Q8_0_BYTES:(start + m) // Q8_0_BLOCK * Q8_0_BYTES] = encoded
+        digests["stored"].update(memoryview(encoded))
+        dequantized = q8_0_dequantize(torch.from_numpy(encoded))
+        digests["dequantized"].update(memoryview(dequantized.numpy()).cast("B"))
+        scales = q8_0_scales(encoded)
+        bounds = q8_0_bounds(scales)
+        magnitudes = np.abs(scales)
+        scale_min, scale_max = min(scale_min, float(magnitudes.min())), max(scale_max, float(magnitudes.max()))
+        max_bound = max(max_bound, float(bounds.max()))
+        _worst_of_run(worst, x.reshape(-1, Q8_0_BLOCK), dequantized.reshape(-1, Q8_0_BLOCK), torch.from_numpy(bounds))
+    blocks = n // Q8_0_BLOCK
+    figures = StoredFigures(digests["stored"].hexdigest(), digests["dequantized"].hexdigest(), blocks=blocks,
+                            scale_min=scale_min if blocks else 0.0, scale_max=scale_max, max_bound=max_bound)
+    byte_shape = (*stored_shape[:-1], stored_shape[-1] // Q8_0_BLOCK * Q8_0_BYTES) if stored_shape else (0,)
+    return Q8_0Encoded(stored.reshape(byte_shape), digests["source"].hexdigest(), figures, worst)

@@ -121,34 +121,34 @@ def _encode(tw: TensorWrite, enc: TensorEncoding, tensor: torch.Tensor) -> tuple
     tensors, and BF16 ones of a bf16 source, equal to the source's sha256)."""
     import torch
 
-    from mergeflow.formats.gguf_quant import (
-        q8_0_dequantize,
-        q8_0_errors,
-        q8_0_quantize,
-        stored_figures,
-    )
+    from mergeflow.formats.gguf_quant import q8_0_encode, stored_figures
 
+    if enc.kind == "Q8_0":  # quantized and measured in one pass over runs of blocks, figures as below
+        encoded = q8_0_encode(tensor, enc.stored_shape)
+        record: dict[str, Any] = {"type": enc.kind, "reason": enc.reason, "source_sha256": encoded.source_sha256,
+                                  **encoded.figures.to_json()}
+        if enc.stored_shape != tuple(tw.layout.shape):
+            record["orig_shape"] = list(tw.layout.shape)
+        record.update(encoded.errors)
+        if not record["bound_ratio"] <= 1.0:
+            raise CheckpointError(f"{tw.name}: Q8_0 error {record['max_abs_error']} exceeds its block-scale bound")
+        return encoded.stored, record
     values = tensor.to(torch.float32).reshape(enc.stored_shape)
     if enc.kind == "BF16":
         cast = tensor.to(torch.bfloat16).reshape(enc.stored_shape).contiguous()
         stored, dequantized = cast.view(torch.uint8), cast.to(torch.float32)
-    elif enc.kind == "Q8_0":
-        stored = torch.from_numpy(q8_0_quantize(values.numpy()))
-        dequantized = q8_0_dequantize(stored)
     else:
         stored = dequantized = values.contiguous()
-    record: dict[str, Any] = {"type": enc.kind, "reason": enc.reason, "source_sha256": tensor_bytes_sha256(tensor),
-                              **stored_figures(stored.numpy(), enc.kind, dequantized.numpy()).to_json()}
+    record = {"type": enc.kind, "reason": enc.reason, "source_sha256": tensor_bytes_sha256(tensor),
+              **stored_figures(stored.numpy(), enc.kind, dequantized.numpy()).to_json()}
     if enc.stored_shape != tuple(tw.layout.shape):
         record["orig_shape"] = list(tw.layout.shape)
-    if enc.kind == "Q8_0":
-        record.update(q8_0_errors(values, stored, dequantized))
-        if not record["bound_ratio"] <= 1.0:
-            raise CheckpointError(f"{tw.name}: Q8_0 error {record['max_abs_error']} exceeds its block-scale bound")
     return stored.numpy(), record
 
 
 def _write_gguf(shard: ShardPlan, states: PieceSource, tensor_dir: Path, work_dir: Path) -> ShardRecord:
+    from concurrent.futures import ThreadPoolExecutor
+
     import gguf
     import numpy as np
 
@@ -192,8 +192,11 @@ def _write_gguf(shard: ShardPlan, states: PieceSource, tensor_dir: Path, work_di
         os.fsync(writer.fout[0].fileno())
     finally:
         writer.close()
-    verify_gguf(partial, arch.name, encodings, records)
-    digest = sha256_file(partial)
+    # The file's sha256, from the page cache on the other core while the read-back hashes each tensor.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256-file") as pool:
+        file_hash = pool.submit(sha256_file, partial)
+        verify_gguf(partial, arch.name, encodings, records)
+        digest = file_hash.result()
     os.replace(partial, final)
     fsync_dir(final.parent)
     record = ShardRecord(file_name=shard.file_name, sha256=digest, size=final.stat().st_size,

@@ -1,11 +1,13 @@
 """Writing an fp8 single file: the safetensors writer, plus the proof of every quantized tensor.
 
 The shard writer builds each float8 weight and its scale one tensor at a time (an `ArchitectureOp`,
-mergeflow/architectures/quantization.py). When the file is read back, `verify_quantized` recomputes
-each from its bit-verified sources, compares the written bytes with them, dequantizes the written
-weight and checks every element against the fp8 bound; the numbers it measures (scale, errors, the
-source's sha256) are kept in `work/quantization-<index>.json` for the manifest, so a resumed export
-that reuses a verified file still has them.
+mergeflow/architectures/quantization.py). A weight is quantized once, from its bit-verified sources
+(`quantized_weight`), in the same pass that dequantizes it and checks every element against the fp8
+bound; the read-back that follows the writer then compares the file's bytes with that tensor, so the
+file is not re-read and the weight not quantized again. Each scale is compared, after writing, with
+the one its weight's pass computed. The numbers measured (scale, errors, the source's sha256) are kept
+in `work/quantization-<index>.json` for the manifest, so a resumed export that reuses a verified file
+still has them; a reused file whose records were lost is proven again by `verify_quantized`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,12 @@ from typing import Any
 
 import torch
 
-from mergeflow.architectures.quantization import OP_SCALE, OP_WEIGHT, quantize, scale_of
+from mergeflow.architectures.quantization import (
+    OP_SCALE,
+    OP_WEIGHT,
+    quantize_measured,
+    scale_of,
+)
 from mergeflow.errors import CheckpointError
 from mergeflow.export.reconstruct.rebuild import PieceSource, bits, cast
 from mergeflow.io.jsonfiles import write_json_durable
@@ -39,20 +46,93 @@ def _source(spec: ArchitectureOp, states: PieceSource) -> torch.Tensor:
     return cast(tensor, str(spec.params["source_dtype"]), "a tensor to quantize")
 
 
+def is_quantized_weight(tw: TensorWrite) -> bool:
+    return isinstance(tw.transform, ArchitectureOp) and tw.transform.op == OP_WEIGHT
+
+
+def quantized_weight(tw: TensorWrite, states: PieceSource) -> torch.Tensor:
+    """The float8 weight to write, quantized from its bit-verified source and proven within the fp8 bound
+    in the same pass; its record and scale are kept for the manifest and the scale's check."""
+    assert isinstance(tw.transform, ArchitectureOp)
+    source = _source(tw.transform, states)
+    scale = scale_of(source)
+    q, stats = quantize_measured(source, scale, tw.name)
+    _keep(tw, states, stats, scale)
+    return q
+
+
+def is_quantized_scale(tw: TensorWrite) -> bool:
+    return isinstance(tw.transform, ArchitectureOp) and tw.transform.op == OP_SCALE
+
+
+def quantized_scale(tw: TensorWrite, states: PieceSource) -> torch.Tensor:
+    """A weight's scale to write, from the min and max of its source's rank pieces: no whole copy of the source.
+
+    Scales come first in the file (float32 before float8), so each is computed before its weight; a cast is
+    monotonic, so the min and max of the cast tensor are the cast min and max, and `scale_of` of those two
+    values is `scale_of` of the cast source. The written scale is compared, after writing, with the one its
+    weight's pass computed from the verified source. A source that is not rank pieces moved by value-keeping
+    ops (a fused LoRA weight) is computed whole, as before.
+    """
+    from mergeflow.lora.fusion import transformed_tensor
+
+    spec = tw.transform
+    assert isinstance(spec, ArchitectureOp)
+    found = _value_range(spec.inputs[0], states)
+    if found is None:
+        return transformed_tensor(tw, states)
+    # The casts the whole path makes (refusing an overflow the same way), on the two values.
+    return scale_of(cast(torch.stack(found), str(spec.params["source_dtype"]), "a tensor to quantize"))
+
+
+# Original-layout ops that only move values: the moved tensor's min and max are its sources'.
+_VALUE_KEEPING = ("cat", "swap_halves", "rename")
+
+
+def _value_range(source: object, states: PieceSource) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(min, max) of a source tensor, in the dtype it is read as, from its pieces; None where that is not known."""
+    from mergeflow.architectures.original_layout import ORIGINAL_LAYOUT
+    from mergeflow.architectures.registry import adapter_for_op
+    from mergeflow.export.reconstruct.rebuild import verified_chunks
+    from mergeflow.records import CheckpointSource, ComputedSource
+
+    if isinstance(source, CheckpointSource):
+        # Finiteness is left to scale_of: an inf or nan piece makes its min or max inf or nan.
+        chunks = [c for c in verified_chunks(source.layout, states, check_values=False) if c.numel()]
+        if not chunks:
+            return None
+        ends = [torch.aminmax(c) for c in chunks]
+        return torch.stack([lo for lo, _ in ends]).min(), torch.stack([hi for _, hi in ends]).max()
+    if not isinstance(source, ComputedSource):
+        return None
+    spec = source.write.transform
+    if (not isinstance(spec, ArchitectureOp) or spec.op not in _VALUE_KEEPING
+            or adapter_for_op(spec.op) is not ORIGINAL_LAYOUT):
+        return None
+    found = [_value_range(s, states) for s in spec.inputs]
+    if not found or any(f is None for f in found) or len({f[0].dtype for f in found if f}) != 1:
+        return None
+    lows, highs = torch.stack([f[0] for f in found if f]), torch.stack([f[1] for f in found if f])
+    # The computed write is cast to its dtype (transformed_tensor), refusing an overflow there.
+    low, high = cast(torch.stack([lows.min(), highs.max()]), source.write.out_dtype, source.write.name)
+    return low, high
+
+
+def _keep(tw: TensorWrite, states: PieceSource, stats: dict[str, Any], scale: torch.Tensor) -> None:
+    with _LOCK:
+        _STATS[id(states), tw.name] = stats
+        _SCALES[id(states), tw.name.removesuffix(".weight") + ".weight_scale"] = scale
+
+
 def verify_quantized(tw: TensorWrite, spec: ArchitectureOp, written: torch.Tensor, states: PieceSource) -> None:
     """The written weight (or scale) is what its verified source gives, and the weight is within the fp8 bound."""
-    from mergeflow.architectures.quantization import error_stats
-
     if spec.op == OP_WEIGHT:
         source = _source(spec, states)
         scale = scale_of(source)
-        expected = quantize(source, scale)
+        expected, stats = quantize_measured(source, scale, tw.name)
         if written.dtype != expected.dtype or not torch.equal(bits(expected), bits(written)):
             raise CheckpointError(f"{tw.name}: round trip failed, the written float8 weight differs from its quantized source")
-        stats = error_stats(source, written, scale, tw.name)
-        with _LOCK:
-            _STATS[id(states), tw.name] = stats
-            _SCALES[id(states), tw.name.removesuffix(".weight") + ".weight_scale"] = scale
+        _keep(tw, states, stats, scale)
         return
     if spec.op != OP_SCALE:
         raise CheckpointError(f"{tw.name}: {spec.op!r} is no quantization op")
@@ -65,7 +145,7 @@ def verify_quantized(tw: TensorWrite, spec: ArchitectureOp, written: torch.Tenso
 
 
 def _quantized(shard: ShardPlan) -> list[TensorWrite]:
-    return [t for t in shard.tensors if isinstance(t.transform, ArchitectureOp) and t.transform.op == OP_WEIGHT]
+    return [t for t in shard.tensors if is_quantized_weight(t)]
 
 
 def stats_path(work_dir: Path, index: int) -> Path:

@@ -26,6 +26,12 @@ from mergeflow.export.reconstruct.rebuild import (
     verified_chunks,
     verify_round_trip,
 )
+from mergeflow.export.write.quantized import (
+    is_quantized_scale,
+    is_quantized_weight,
+    quantized_scale,
+    quantized_weight,
+)
 from mergeflow.export.write.readback import FollowingReadBack, read_exact
 from mergeflow.formats.manifest import fingerprint
 from mergeflow.formats.safetensors_format import (
@@ -346,8 +352,15 @@ def _write_tensor(writer: HashingWriter, tw: TensorWrite, states: PieceSource, f
     # A transform (LoRA fusion) computes the tensor from its sources; otherwise stream the rank pieces.
     streamed = tw.transform is None and is_streamed(tw.layout, tw.out_dtype)
     cast_pieces = tw.transform is None and is_cast_in_rank_order(tw.layout, tw.out_dtype)
-    if tw.transform is not None:
-        pieces: Iterable[torch.Tensor] = [transformed_tensor(tw, states)]
+    quantized = is_quantized_weight(tw)
+    if quantized:
+        # Quantized once from verified sources and proven within its bound (quantized.py): the read-back
+        # below compares the file with this tensor instead of quantizing it again after writing.
+        pieces: Iterable[torch.Tensor] = [quantized_weight(tw, states)]
+    elif is_quantized_scale(tw):  # a scalar, from the source pieces' min and max; compared with the weight's after writing
+        pieces = [quantized_scale(tw, states)]
+    elif tw.transform is not None:
+        pieces = [transformed_tensor(tw, states)]
     else:
         # Finiteness: folded into the read-back for streamed tensors, proven by the cast's
         # own output check for cast ones (a cast keeps inf/nan); scanned here otherwise.
@@ -361,7 +374,7 @@ def _write_tensor(writer: HashingWriter, tw: TensorWrite, states: PieceSource, f
         written += writer.write(_as_bytes(piece))
     if streamed:
         follow.submit(tw, begin=begin)
-    elif cast_pieces:
+    elif cast_pieces or quantized:
         follow.submit(tw, list(pieces), begin=begin)
     return written
 
@@ -403,7 +416,7 @@ def verify_written_shard(path: Path, shard: ShardPlan, states: PieceSource, head
                          metadata: dict[str, str] | None = None) -> None:
     """Layers 2 and 3 for what the read-back during writing did not cover.
 
-    Streamed and cast tensors were compared while the file was written (FollowingReadBack).
+    Streamed, cast and float8 weights were compared while the file was written (FollowingReadBack).
     Here: the header bytes, the file size, names, shapes and dtypes as safetensors reads
     them, and every other computed tensor (concatenated, fused). Together every byte of the file
     is compared with what was meant to be written, so the sha256 hashed while writing is
@@ -428,7 +441,7 @@ def verify_written_shard(path: Path, shard: ShardPlan, states: PieceSource, head
                 raise CheckpointError(f"{path.name}: {tw.name} was written with the wrong shape or dtype")
     if names != {t.name for t in shard.tensors}:
         raise CheckpointError(f"{path.name}: holds tensors that were not planned")
-    computed = [tw for tw in shard.tensors if not read_back_while_writing(tw)]
+    computed = [tw for tw in shard.tensors if not read_back_while_writing(tw) and not is_quantized_weight(tw)]
     if not computed:
         return
     tensors = open_tensors(path, metadata or shard.metadata)
