@@ -21,6 +21,7 @@ from mergeflow.formats.manifest import (  # noqa: F401 - Manifest: a record the 
 )
 from mergeflow.formats.rank_files import TensorEntry
 from mergeflow.io.fs import FileStamp
+from mergeflow.io.ranges import FileRanges
 from mergeflow.lora.extract_spec import ExtractSpec
 from mergeflow.lora.plan import LoraSpec
 
@@ -279,6 +280,8 @@ class ShardRecord:
     verified_stamp: FileStamp
     # "0x" + sha256 of the data section, for a file whose header carries it (modelspec.hash_sha256).
     data_sha256: str | None = None
+    # A large file's per-range digests, taken from the same bytes as `sha256` (manifest `file_ranges`).
+    ranges: FileRanges | None = None
 
     def verified(self) -> "VerifiedFile":
         return VerifiedFile(self.sha256, self.verified_stamp)
@@ -304,6 +307,7 @@ class FileRecord:
     sha256: str
     size: int
     origin: str  # "written" | "copied"
+    ranges: FileRanges | None = None  # a large copied file's per-range digests (manifest `file_ranges`)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from mergeflow.export.check import artifact_check
 from mergeflow.export.reconstruct.layout import plan_layouts
 from mergeflow.export.reconstruct.rebuild import same_bytes
 from mergeflow.export.write import shard_writer as write
+from mergeflow.io import ranges as ranges_module
 from mergeflow.io.fs import FileStamp
 from mergeflow.io.streamio import BackgroundFlush, HashingWriter
 from mergeflow.records import ShardPlan, TensorWrite, VerifiedFile
@@ -60,6 +61,22 @@ def test_recorded_digest_and_stamp_are_those_of_the_file(shard_setup) -> None:  
     assert record.verified() == VerifiedFile(record.sha256, FileStamp.of(path))
 
 
+def test_ranges_are_those_of_the_file_as_written_and_as_reused(shard_setup, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Per-range digests come from the write itself, and a resumed shard (its record reused) gets the same."""
+    shard, states, out = shard_setup
+    monkeypatch.setattr(ranges_module, "RANGE_SIZE", 64)  # this tiny file's ranges: a few dozen bytes each
+    record = write.write_shard_file(shard, states, out, out / "work")
+    path = out / record.file_name
+    raw = path.read_bytes()
+    assert record.ranges is not None and record.ranges.size == len(raw) and record.ranges.range_size == 64
+    assert list(record.ranges.sha256) == [hashlib.sha256(raw[i : i + 64]).hexdigest() for i in range(0, len(raw), 64)]
+    again = write.write_shard_file(shard, states, out, out / "work")  # a rerun finds the verified file and its record
+    assert FileStamp.of(path) == record.verified_stamp  # reused, not rewritten
+    assert again.ranges == record.ranges and again.sha256 == record.sha256
+    monkeypatch.setattr(ranges_module, "RANGE_SIZE", len(raw))  # one range: the file keeps its whole digest alone
+    assert write.write_shard_file(shard, states, out, out / "work").ranges is None
+
+
 def test_a_writer_that_writes_wrong_bytes_is_caught_by_the_read_back(shard_setup, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     shard, states, out = shard_setup
     real = write._as_bytes
@@ -80,8 +97,8 @@ def test_a_damaged_header_is_caught(shard_setup, monkeypatch) -> None:  # type: 
     shard, states, out = shard_setup
     real = write._stream_shard
 
-    def then_damage_header(fd: int, header: bytes, *args: object) -> str:
-        digest = real(fd, header, *args)
+    def then_damage_header(fd: int, header: bytes, *args: object, **kwargs: object) -> str:
+        digest = real(fd, header, *args, **kwargs)  # type: ignore[arg-type]
         os.pwrite(fd, b"!", len(header) - 1)  # the header's trailing padding: still parses
         return digest
 
@@ -95,8 +112,8 @@ def test_trailing_bytes_are_caught(shard_setup, monkeypatch) -> None:  # type: i
     shard, states, out = shard_setup
     real = write._stream_shard
 
-    def then_append(fd: int, *args: object) -> str:
-        digest = real(fd, *args)
+    def then_append(fd: int, *args: object, **kwargs: object) -> str:
+        digest = real(fd, *args, **kwargs)  # type: ignore[arg-type]
         os.write(fd, b"\0")
         return digest
 

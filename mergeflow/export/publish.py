@@ -93,6 +93,8 @@ def build_manifest(
     tensors = {name: TensorInfo(tuple(shape), dtype) for s in shards for name, (dtype, shape) in s.tensors.items()}
     out_files = {plan.output.relative(s.file_name): s.sha256 for s in shards}
     out_files.update({f.rel_path: f.sha256 for f in files})
+    ranges = {plan.output.relative(s.file_name): s.ranges for s in shards if s.ranges is not None}
+    ranges.update({f.rel_path: f.ranges for f in files if f.ranges is not None})
     return Manifest(
         artifact_type=plan.output.artifact_type,
         architecture=plan.output.architecture,
@@ -113,6 +115,7 @@ def build_manifest(
         unchanged_check=unchanged,
         original_layout=output_of(plan).manifest_layout_record(plan, shards),
         quantization=output_of(plan).manifest_quantization_record(plan),
+        file_ranges=dict(sorted(ranges.items())) or None,
     )
 
 

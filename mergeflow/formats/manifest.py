@@ -12,6 +12,7 @@ from typing import Any, NotRequired, TypedDict
 from mergeflow.errors import ArtifactInvalidError
 from mergeflow.formats.safetensors_format import DTYPES
 from mergeflow.io.paths import check_relative_name
+from mergeflow.io.ranges import RANGE_ALIGN, FileRanges, range_count
 
 MANIFEST_NAME = "merge_manifest.json"
 SCHEMA_VERSION = 1
@@ -26,6 +27,9 @@ VERL_CONFIG_PATH = "huggingface/config.json"
 FLAG_CONFIG_PATH = "hf_model_config_path/config.json"
 BASE_CONFIG_PREFIX = "base_model/"
 VERIFICATION_LAYERS = ("structure", "source_round_trip", "artifact_round_trip", "integrity")
+# Optional: per-range digests of the large files, so `test` can hash one file on every core
+# (mergeflow/io/ranges.py). Absent when no file is large, so a small export's manifest is unchanged.
+FILE_RANGES = "file_ranges"
 
 _REQUIRED: dict[str, type | tuple[type, ...]] = {
     "schema_version": int,
@@ -93,6 +97,14 @@ class LoraAdapterJson(TypedDict):
     settings_source: str
 
 
+class FileRangesJson(TypedDict):
+    """`file_ranges[path]` as written: the sha256 of each consecutive `range_size` bytes of a `size`-byte file."""
+
+    size: int
+    range_size: int
+    sha256: list[str]
+
+
 class ManifestDocument(TypedDict):
     """merge_manifest.json as a JSON document: what `Manifest.to_json` writes and `check_manifest` accepts.
 
@@ -129,6 +141,8 @@ class ManifestDocument(TypedDict):
     model_card: NotRequired[dict[str, Any]]
     # The runtime check's measurement when it ran: device, dtype, seconds, peak memory, output statistics.
     runtime: NotRequired[dict[str, Any]]
+    # Per-range digests of the large files listed in `files` (their whole-file sha256 stays there).
+    file_ranges: NotRequired[dict[str, FileRangesJson]]
 
 
 # The records of a manifest. A merge builds one `Manifest` and serializes it once (`to_json`, at the
@@ -254,6 +268,8 @@ class Manifest:
     quantization: Mapping[str, Any] | None = None
     model_card: Mapping[str, Any] | None = None  # README.md's record (mergeflow/hub/model_card.py)
     runtime: Mapping[str, Any] | None = None  # the runtime check's measurement (mergeflow/ops/smoke.py)
+    # Relative path -> the large file's per-range digests, of the same bytes as its `files` sha256.
+    file_ranges: Mapping[str, FileRanges] | None = None
     schema_version: int = SCHEMA_VERSION
     backend: str = "fsdp"
 
@@ -307,6 +323,9 @@ class Manifest:
             data["model_card"] = dict(self.model_card)
         if self.runtime is not None:
             data["runtime"] = dict(self.runtime)
+        if self.file_ranges:
+            data[FILE_RANGES] = {rel: {"size": r.size, "range_size": r.range_size, "sha256": list(r.sha256)}
+                                 for rel, r in sorted(self.file_ranges.items())}
         return data
 
 
@@ -370,6 +389,7 @@ def check_manifest(data: Any, artifact_types: Collection[str] | None = None) -> 
         raise ArtifactInvalidError("manifest model_card must name a file the manifest lists")
     if MANIFEST_NAME in data["files"]:
         raise ArtifactInvalidError("manifest files must not list the manifest itself")
+    _check_file_ranges(data.get(FILE_RANGES), data["files"])
     _reject_absolute_paths(data)
     return data
 
@@ -390,6 +410,44 @@ def _check_source_model_config(smc: Mapping[str, object]) -> None:
                                    f"({VERL_CONFIG_PATH!r}, {FLAG_CONFIG_PATH!r} or '{BASE_CONFIG_PREFIX}...config.json')")
     if from_base:
         check_relative_name(path, "manifest source_model_config.logical_path")
+
+
+def _check_file_ranges(value: Any, files: Mapping[str, str]) -> None:
+    """`file_ranges`, when present: for files the manifest lists, digests that cover each file exactly."""
+    if value is None:
+        return
+    if not isinstance(value, dict) or not value:
+        raise ArtifactInvalidError(f"manifest {FILE_RANGES} must map listed files to their ranges (absent when there are none)")
+    for rel, record in value.items():
+        problem = _file_ranges_problem(record)
+        if rel not in files:
+            problem = "names a file the manifest does not list"
+        if problem is not None:
+            raise ArtifactInvalidError(f"manifest {FILE_RANGES}[{rel!r}] {problem}")
+
+
+def _file_ranges_problem(record: Any) -> str | None:
+    """What is wrong with one file's range record, None when it is right."""
+    if not isinstance(record, dict) or set(record) != {"size", "range_size", "sha256"}:
+        return "must be exactly {size, range_size, sha256}"
+    size, range_size, digests = record["size"], record["range_size"], record["sha256"]
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in (size, range_size)):
+        return "must give size and range_size as integers"
+    if range_size <= 0 or range_size % RANGE_ALIGN:
+        return f"has range_size {range_size}: it must be a positive multiple of {RANGE_ALIGN}"
+    if size <= range_size:
+        return f"has size {size}: only a file of more than one range ({range_size} bytes) has ranges"
+    if not isinstance(digests, list) or len(digests) != range_count(size, range_size):
+        count = len(digests) if isinstance(digests, list) else "no list of"
+        return f"has {count} digests: {size} bytes in ranges of {range_size} need {range_count(size, range_size)}"
+    if not all(_is_sha256(d) for d in digests):
+        return "holds a digest that is not a sha256 hex digest"
+    return None
+
+
+def file_ranges_of(data: ManifestDocument) -> dict[str, FileRanges]:
+    """The per-range digests of a checked manifest (none for a manifest written before they existed)."""
+    return {rel: FileRanges(r["size"], r["range_size"], tuple(r["sha256"])) for rel, r in data.get(FILE_RANGES, {}).items()}
 
 
 def _check_unchanged_check(value: Any) -> None:

@@ -11,6 +11,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from mergeflow.io.ranges import RangeHasher
+
 BLOCK = 16 * 1024 * 1024
 _DONE = None
 
@@ -23,8 +25,12 @@ class HashingWriter:
     """
 
     def __init__(self, fd: int, depth: int = 8, flush: BackgroundFlush | None = None, start: int = 0,
-                 hashing: bool = True, follower: TrailingHasher | None = None) -> None:
+                 hashing: bool = True, follower: TrailingHasher | None = None,
+                 ranges: RangeHasher | None = None) -> None:
+        if ranges is not None and (start or not hashing):
+            raise ValueError("a range hasher is fed the whole file from its first byte")
         self.fd = fd
+        self.ranges = ranges  # the same blocks, hashed per range on a third thread
         self.flush = flush
         self.follower = follower  # told how far the file is written, like `flush`
         self.start = start  # where the stream begins in the file (bytes written before it are not hashed)
@@ -50,6 +56,8 @@ class HashingWriter:
             end = self.start + self.bytes + start + len(block)
             if self._thread is not None:
                 self._queue.put(block)
+            if self.ranges is not None:
+                self.ranges.update(block)
             while len(block):
                 block = block[os.write(self.fd, block) :]
             if self.flush is not None:
@@ -91,8 +99,10 @@ class TrailingHasher:
     instead of a second pass over the whole file after it.
     """
 
-    def __init__(self, path: os.PathLike[str] | str, data_start: int, header: Callable[[], bytes]) -> None:
+    def __init__(self, path: os.PathLike[str] | str, data_start: int, header: Callable[[], bytes],
+                 ranges: RangeHasher | None = None) -> None:
         self.data_start = data_start
+        self.ranges = ranges  # fed every block hashed here, header first: the file's per-range digests
         self._header = header
         self._digest = hashlib.sha256()
         self._written = data_start
@@ -126,6 +136,8 @@ class TrailingHasher:
                 raise ValueError(f"the final header is {len(header)} bytes, the data start at {self.data_start}")
             self.header = header
             self._digest.update(header)
+            if self.ranges is not None:
+                self.ranges.update(header)
             pos = self.data_start
             while (end := self._next_end(pos)) is not None:
                 while pos < end:
@@ -133,6 +145,8 @@ class TrailingHasher:
                     if not block:
                         raise OSError(f"the file being hashed ended at {pos} bytes, {end} were written")
                     self._digest.update(block)
+                    if self.ranges is not None:
+                        self.ranges.update(block)
                     pos += len(block)
         except BaseException as exc:  # re-raised in the writer's thread by finish()
             self._error = exc

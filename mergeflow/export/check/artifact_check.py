@@ -11,11 +11,17 @@ import os
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Literal, NotRequired, TypedDict
 
 from mergeflow.errors import ArtifactInvalidError
-from mergeflow.formats.manifest import MANIFEST_NAME, ManifestDocument, check_manifest
+from mergeflow.formats.manifest import (
+    MANIFEST_NAME,
+    ManifestDocument,
+    check_manifest,
+    file_ranges_of,
+)
 from mergeflow.formats.seal import (
     PIN_NAME,
     SEAL_NAMES,
@@ -31,6 +37,7 @@ from mergeflow.io.jsonfiles import (
     dumps_canonical,
     parse_json_strict,
 )
+from mergeflow.io.ranges import FileRanges, verify_ranges
 from mergeflow.io.session import sha256_file
 from mergeflow.io.staging import artifact_root, is_staging_dir
 from mergeflow.lora.artifact import (
@@ -49,6 +56,8 @@ PARALLEL_HASH_MIN_BYTES = 16 * 1024 * 1024
 # kernel share the cores until the last file ends, instead of one core idling on the biggest shard.
 # hashlib releases the GIL for large updates, so the threads really run in parallel.
 MAX_HASH_THREADS = max(8, 2 * (os.cpu_count() or 1))
+# Ranges are equal slices of work, so one thread per core keeps every core busy to the end.
+HASH_WORKERS = os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
@@ -108,13 +117,15 @@ def list_tree(root: Path) -> list[str]:
 
 
 def check_tree_and_hashes(root: Path, files: dict[str, str], *, verified: Mapping[str, VerifiedFile] | None = None,
-                          sealed: bool = False) -> dict[str, str]:
+                          sealed: bool = False, ranges: Mapping[str, FileRanges] | None = None) -> dict[str, str]:
     """The file tree equals the manifest's list exactly and every sha256 matches; returns the digests.
 
     `verified` (staged exports only) names files whose digest this export proved from their
     bytes: such a file is taken as read while its stamp is unchanged since; every other file,
     and every file of a published artifact, is hashed here. The manifest's pin lies beside it, unlisted;
     `sealed`: root is the artifact's top, where its signature lies too (mergeflow/formats/seal.py).
+    `ranges`: the manifest's per-range digests; a file that has them is checked range by range, on
+    every core, and its whole-file sha256 is then the manifest's (the export took both from the same bytes).
     """
     folders: set[str] = set()
     sizes = _tree_sizes(root, folders)
@@ -130,11 +141,20 @@ def check_tree_and_hashes(root: Path, files: dict[str, str], *, verified: Mappin
     if folders - needed:  # an empty (or emptied) directory is something the manifest does not describe
         raise ArtifactInvalidError(f"{sorted(folders - needed)[0]}/ is in the artifact but holds no file of the manifest")
     digests = {name: v.sha256 for name, v in (verified or {}).items() if name in listed and _unchanged(root / name, v)}
-    digests.update(_hash_files(root, {name: sizes[name] for name in listed - set(digests)}))
+    ranged = {name: r for name, r in (ranges or {}).items() if name in listed - set(digests)}
+    if ranged:
+        digests.update(_check_ranges(root, ranged, {name: sizes[name] for name in listed - set(digests) - set(ranged)},
+                                     sizes, files))
+    else:
+        digests.update(_hash_files(root, {name: sizes[name] for name in listed - set(digests)}))
     for name in sorted(listed):
         if digests[name] != files[name]:
-            raise ArtifactInvalidError(f"{name} does not match its sha256 in the manifest: the file was changed or damaged")
+            raise _damaged(name)
     return digests
+
+
+def _damaged(name: str) -> ArtifactInvalidError:
+    return ArtifactInvalidError(f"{name} does not match its sha256 in the manifest: the file was changed or damaged")
 
 
 def _hash_files(root: Path, sizes: dict[str, int]) -> dict[str, str]:
@@ -147,6 +167,33 @@ def _hash_files(root: Path, sizes: dict[str, int]) -> dict[str, str]:
         futures = {name: pool.submit(sha256_file, root / name) for name in big}
         digests = {name: sha256_file(root / name) for name in small}
         digests.update({name: future.result() for name, future in futures.items()})
+    return digests
+
+
+def _check_ranges(root: Path, ranged: Mapping[str, FileRanges], others: dict[str, int], sizes: Mapping[str, int],
+                  files: Mapping[str, str]) -> dict[str, str]:
+    """Every range of the ranged files, and the whole of the other big files, hashed on one thread per core.
+
+    A file is as the manifest says when its size and every range match; its sha256 is then the
+    manifest's. A file without ranges (small, or from an older manifest) is hashed whole.
+    """
+    for name, record in sorted(ranged.items()):
+        if sizes[name] != record.size:
+            raise _damaged(name)
+    big = sorted((n for n, s in others.items() if s >= PARALLEL_HASH_MIN_BYTES), key=lambda n: -others[n])
+    fds: dict[str, int] = {}
+    try:
+        for name in ranged:
+            fds[name] = os.open(root / name, os.O_RDONLY | os.O_NOFOLLOW)
+        whole = [(name, partial(sha256_file, root / name)) for name in big]
+        failed, digests = verify_ranges(fds, dict(ranged), HASH_WORKERS, whole)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    if failed:
+        raise _damaged(min(failed))
+    digests.update({name: sha256_file(root / name) for name in sorted(set(others) - set(big))})
+    digests.update({name: files[name] for name in ranged})  # proven range by range
     return digests
 
 
@@ -201,7 +248,7 @@ def validate_artifact_dir(root: Path, verified: Mapping[str, VerifiedFile] | Non
     if manifest_path.is_symlink() or not manifest_path.is_file():
         raise ArtifactInvalidError(f"{root.name} has no {MANIFEST_NAME}; is it a mergeflow artifact?")
     manifest = check_manifest(read_canonical_manifest(manifest_path), artifact_types())
-    digests = check_tree_and_hashes(root, manifest["files"], verified=verified, sealed=top)
+    digests = check_tree_and_hashes(root, manifest["files"], verified=verified, sealed=top, ranges=file_ranges_of(manifest))
     output = output_for_manifest(manifest)  # the kind of artifact: its own configs and weights are checked
     output.check_configs(root, manifest)
     count = output.check_weights(root, manifest)

@@ -20,6 +20,7 @@ from mergeflow.io.fs import FileStamp, is_plain_file
 from mergeflow.io.interrupt import raise_if_stopped
 from mergeflow.io.jsonfiles import write_bytes_durable
 from mergeflow.io.os_errors import name_written_file, typed_os_error
+from mergeflow.io.ranges import FileRanges, file_digests
 from mergeflow.io.session import carry_session, current_session, sha256_file
 from mergeflow.records import CopyResult, FileRecord, MergePlan
 
@@ -73,6 +74,11 @@ def _digest(path: Path) -> str | None:
     return sha256_file(path) if is_plain_file(path) else None
 
 
+def _digests(path: Path) -> tuple[str | None, FileRanges | None]:
+    """A copied file's sha256 and, when large, its per-range digests (both passes at once)."""
+    return file_digests(path, sha256_file) if is_plain_file(path) else (None, None)
+
+
 def copy_one(base: Path, artifact: Path, work: Path, rel: str, base_digest: str,
              stamp: FileStamp | None) -> tuple[FileRecord, list[str], bool]:
     """Copy one base file (configs without local-path keys) and prove the copy's bytes; True: an earlier copy was kept."""
@@ -82,6 +88,7 @@ def copy_one(base: Path, artifact: Path, work: Path, rel: str, base_digest: str,
         raise InputChangedError(f"base file {rel} is no longer a plain file")
     dst.parent.mkdir(parents=True, exist_ok=True)
     removed: list[str] = []
+    ranges: FileRanges | None = None
     if is_config_json(rel):
         raw = current_session().known_bytes(src)  # a config this export read when planning: not opened again
         if raw is None:
@@ -98,16 +105,19 @@ def copy_one(base: Path, artifact: Path, work: Path, rel: str, base_digest: str,
             got = sha256_file(dst)
     else:
         want = base_digest
-        got = _digest(dst)
+        got, ranges = _digests(dst)
         kept = got == want
         if not kept:
             _copy_bytes(src, dst, tmp)
-            got = sha256_file(dst)
+            got, ranges = _digests(dst)
     if got != want:
         raise InputChangedError(f"the copy of base file {rel} does not hash to the base's sha256: the base changed during the export")
     if stamp is not None and FileStamp.of(src) != stamp:
         raise InputChangedError(f"base file {rel} changed during the export; rerun once the base is stable")
-    return FileRecord(rel, got, dst.stat().st_size, "copied"), removed, kept
+    size = dst.stat().st_size
+    if ranges is not None and ranges.size != size:
+        raise InputChangedError(f"the copy of base file {rel} changed size while it was hashed")
+    return FileRecord(rel, got, size, "copied", ranges), removed, kept
 
 
 def copy_base_files(plan: MergePlan, *, workers: int = 2) -> CopyResult:

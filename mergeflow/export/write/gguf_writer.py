@@ -155,6 +155,7 @@ def _write_gguf(shard: ShardPlan, states: PieceSource, tensor_dir: Path, work_di
     from mergeflow.io.fs import FileStamp, fsync_dir
     from mergeflow.io.interrupt import raise_if_stopped
     from mergeflow.io.jsonfiles import write_json_durable
+    from mergeflow.io.ranges import file_digests
     from mergeflow.io.session import active_session, sha256_file
     from mergeflow.io.staging import file_stamp
     from mergeflow.records import ShardRecord
@@ -192,16 +193,17 @@ def _write_gguf(shard: ShardPlan, states: PieceSource, tensor_dir: Path, work_di
         os.fsync(writer.fout[0].fileno())
     finally:
         writer.close()
-    # The file's sha256, from the page cache on the other core while the read-back hashes each tensor.
+    # The file's sha256 and its ranges, from the page cache on other threads while the read-back hashes
+    # each tensor.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256-file") as pool:
-        file_hash = pool.submit(sha256_file, partial)
+        digests = pool.submit(file_digests, partial, sha256_file)
         verify_gguf(partial, arch.name, encodings, records)
-        digest = file_hash.result()
+        digest, ranges = digests.result()
     os.replace(partial, final)
     fsync_dir(final.parent)
     record = ShardRecord(file_name=shard.file_name, sha256=digest, size=final.stat().st_size,
                          tensors={tw.name: (tw.out_dtype, tuple(tw.layout.shape)) for tw, _ in encodings},
-                         plan_fingerprint=shard.fingerprint, verified_stamp=FileStamp.of(final))
+                         plan_fingerprint=shard.fingerprint, verified_stamp=FileStamp.of(final), ranges=ranges)
     quantization = {"method": method, "format": "gguf", "architecture": arch.name, "bound": BOUND,
                     "kept_f32": sorted(k for k, r in records.items() if r["type"] == "F32"),
                     "excluded": sorted(k for k, r in records.items() if method == "q8_0" and r["type"] == "BF16"),

@@ -49,6 +49,7 @@ from mergeflow.io.fs import FileStamp
 from mergeflow.io.interrupt import raise_if_stopped
 from mergeflow.io.jsonfiles import write_bytes_durable, write_json_durable
 from mergeflow.io.os_errors import name_written_file, typed_os_error
+from mergeflow.io.ranges import FileRanges, RangeHasher, file_digests, wants_ranges
 from mergeflow.io.session import active_session, current_session, sha256_file
 from mergeflow.io.staging import file_stamp
 from mergeflow.io.streamio import BackgroundFlush, HashingWriter, TrailingHasher
@@ -140,20 +141,24 @@ def _write_shard_file(shard: ShardPlan, states: PieceSource, artifact_dir: Path,
     header, entries = build_header(layout, metadata)
     partial = partial_path(work_dir, shard)
     if hash_in_header and _hashable_ahead(ordered, entries, shard.nbytes):
-        header, digest, data_digest = _write_hashed_ahead(partial, header, entries, ordered, states, layout,
-                                                          metadata, shard)
+        header, digest, data_digest, ranges = _write_hashed_ahead(partial, header, entries, ordered, states, layout,
+                                                                  metadata, shard)
     else:
-        header, digest, data_digest = _write_and_hash(partial, header, entries, ordered, states, layout,
-                                                      metadata, shard, hash_in_header)
+        header, digest, data_digest, ranges = _write_and_hash(partial, header, entries, ordered, states, layout,
+                                                              metadata, shard, hash_in_header)
     os.replace(partial, final)
+    size = final.stat().st_size
+    if ranges is not None and ranges.size != size:
+        raise CheckpointError(f"{shard.file_name}: its ranges were hashed over {ranges.size} bytes, the file has {size}")
     record = ShardRecord(
         file_name=shard.file_name,
         sha256=digest,
-        size=final.stat().st_size,
+        size=size,
         tensors={t.name: (t.out_dtype, t.layout.shape) for t in ordered},
         plan_fingerprint=shard.fingerprint,
         verified_stamp=FileStamp.of(final),
         data_sha256=data_digest,
+        ranges=ranges,
     )
     # The stamp lets a rerun's cache key tell an intact staged file from a changed one.
     write_json_durable(record_path, {**asdict(record), "stamp": file_stamp(final)})
@@ -169,26 +174,30 @@ Layout = list[tuple[str, str, tuple[int, ...]]]
 
 def _write_and_hash(partial: Path, header: bytes, entries: dict[str, HeaderEntry], ordered: list[TensorWrite],
                     states: PieceSource, layout: Layout, metadata: dict[str, str], shard: ShardPlan,
-                    hash_in_header: bool) -> tuple[bytes, str, str | None]:
-    """Write the file, hashing its bytes as they are written; returns (header, file sha256, data sha256).
+                    hash_in_header: bool) -> tuple[bytes, str, str | None, FileRanges | None]:
+    """Write the file, hashing its bytes as they are written; returns (header, file sha256, data sha256, ranges).
 
     A header that names its data's hash (and whose tensors cannot be hashed ahead from the
     sources: computed ones) is written under a same-length placeholder, filled in once the data
-    are hashed; the file's own sha256 is then taken from the page cache in a second pass.
+    are hashed; the file's own sha256 (and its ranges) is then taken from the page cache in a second pass.
     """
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     flush = BackgroundFlush(fd)
     data_digest: str | None = None
+    file_ranges: FileRanges | None = None
+    # The writer's blocks are the file's from its first byte only when the header is hashed with them.
+    ranges = RangeHasher() if not hash_in_header and wants_ranges(len(header) + shard.nbytes) else None
     try:
         follow = FollowingReadBack(partial, len(header), entries, states)
         try:
-            streamed = _stream_shard(fd, header, entries, ordered, states, follow, flush, not hash_in_header)
+            streamed = _stream_shard(fd, header, entries, ordered, states, follow, flush, not hash_in_header,
+                                     ranges=ranges)
         except BaseException:
             follow.abort()
             raise
         assert streamed is not None  # a hashing writer's digest
         digest = streamed
-        file_hash: Future[str] | None = None
+        file_hash: Future[tuple[str, FileRanges | None]] | None = None
         if hash_in_header:
             data_digest = data_hash_value(digest)
             metadata = {**metadata, DATA_HASH_KEY: data_digest}
@@ -196,24 +205,28 @@ def _write_and_hash(partial: Path, header: bytes, entries: dict[str, HeaderEntry
         flush.fsync()  # the disk flush overlaps the checks that are left, which only need the page cache
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256-file") as pool:
             if hash_in_header:  # hashed from the page cache while the checks below run on the other core
-                file_hash = pool.submit(sha256_file, partial)
+                file_hash = pool.submit(file_digests, partial, sha256_file)
             follow.finish()
             verify_written_shard(partial, shard, states, header, metadata)
             if file_hash is not None:
-                digest = file_hash.result()
+                digest, file_ranges = file_hash.result()
+        if ranges is not None:  # its thread hashed while the checks above ran
+            file_ranges = ranges.finish()
         flush.check()
     except BaseException:
         flush.abandon()
         raise
     finally:
+        if ranges is not None:
+            ranges.close()
         flush.join()
         os.close(fd)
-    return header, digest, data_digest
+    return header, digest, data_digest, file_ranges
 
 
 def _write_hashed_ahead(partial: Path, header: bytes, entries: dict[str, HeaderEntry], ordered: list[TensorWrite],
                         states: PieceSource, layout: Layout, metadata: dict[str, str],
-                        shard: ShardPlan) -> tuple[bytes, str, str]:
+                        shard: ShardPlan) -> tuple[bytes, str, str, FileRanges | None]:
     """Write a file whose header names its data's hash, with no pass over the file after writing it.
 
     Every tensor here is its sources' bytes (streamed, cast, or fused row blocks) or one of a few small
@@ -232,7 +245,8 @@ def _write_hashed_ahead(partial: Path, header: bytes, entries: dict[str, HeaderE
             value = {**metadata, DATA_HASH_KEY: data_hash_value(data_hash.result())}
             return build_header(layout, value)[0]
 
-        trailing = TrailingHasher(partial, len(header), final_header)
+        ranges = RangeHasher() if wants_ranges(len(header) + shard.nbytes) else None
+        trailing = TrailingHasher(partial, len(header), final_header, ranges)
         try:
             follow = FollowingReadBack(partial, len(header), entries, states)
             try:
@@ -250,6 +264,7 @@ def _write_hashed_ahead(partial: Path, header: bytes, entries: dict[str, HeaderE
             digest = trailing.finish(len(header) + shard.nbytes)
             if trailing.header != header:
                 raise CheckpointError(f"{shard.file_name}: the header hashed differs from the header written")
+            file_ranges = ranges.finish() if ranges is not None else None
             flush.check()
         except BaseException:
             cancel.set()
@@ -257,9 +272,11 @@ def _write_hashed_ahead(partial: Path, header: bytes, entries: dict[str, HeaderE
             flush.abandon()
             raise
         finally:
+            if ranges is not None:
+                ranges.close()
             flush.join()
             os.close(fd)
-    return header, digest, data_digest
+    return header, digest, data_digest, file_ranges
 
 
 # A computed tensor is computed twice when the data are hashed ahead (once for the hash, once to write
@@ -314,7 +331,7 @@ def _rewrite_header(fd: int, placeholder: bytes, layout: list[tuple[str, str, tu
 
 def _stream_shard(fd: int, header: bytes, entries: dict[str, HeaderEntry], ordered: list[TensorWrite], states: PieceSource,
                   follow: FollowingReadBack, flush: BackgroundFlush, hash_header: bool = True, *, hashing: bool = True,
-                  follower: TrailingHasher | None = None) -> str | None:
+                  follower: TrailingHasher | None = None, ranges: RangeHasher | None = None) -> str | None:
     """Write the header and every tensor's bytes in file order; returns the sha256 of the stream
     (without the header when `hash_header` is False: the data section's).
 
@@ -325,7 +342,8 @@ def _stream_shard(fd: int, header: bytes, entries: dict[str, HeaderEntry], order
         view = memoryview(header)
         while len(view):
             view = view[os.write(fd, view) :]
-    writer = HashingWriter(fd, flush=flush, start=0 if hash_header else len(header), hashing=hashing, follower=follower)
+    writer = HashingWriter(fd, flush=flush, start=0 if hash_header else len(header), hashing=hashing, follower=follower,
+                           ranges=ranges)
     try:
         if hash_header:
             writer.write(memoryview(header))
@@ -477,10 +495,11 @@ def reusable_record(record_path: Path, final: Path, shard: ShardPlan, needs: str
     if recorded[3] != shard.fingerprint or final.stat().st_size != recorded[2]:
         return None
     stamp = FileStamp.of(final)
-    if sha256_file(final) != recorded[1] or FileStamp.of(final) != stamp:
+    digest, ranges = file_digests(final, sha256_file)  # the ranges again, in the same pass: the record may predate them
+    if digest != recorded[1] or FileStamp.of(final) != stamp:
         return None
     return ShardRecord(file_name=recorded[0], sha256=recorded[1], size=recorded[2], tensors=tensors,
-                       plan_fingerprint=recorded[3], verified_stamp=stamp, data_sha256=data_sha256)
+                       plan_fingerprint=recorded[3], verified_stamp=stamp, data_sha256=data_sha256, ranges=ranges)
 
 
 def write_component_config(src: Path, dst: Path, base_dir: str) -> tuple[bytes, list[str]]:
