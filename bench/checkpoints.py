@@ -35,7 +35,7 @@ PRESETS = {
 }
 
 
-def _build(conn: Any, root: str, preset: Preset, layout: str) -> None:
+def _build(conn: Any, root: str, preset: Preset, layouts: tuple[str, ...]) -> None:
     import torch
 
     from mergeflow.demo.checkpoints import (
@@ -55,18 +55,20 @@ def _build(conn: Any, root: str, preset: Preset, layout: str) -> None:
     model = build_transformer(preset.class_name, seed=0, dtype=dtype, config_overrides=preset.overrides)
     base = save_base_transformer(model, Path(root) / "base")
     perturb_(model, seed=1)  # the base is on disk: perturb in place, one copy of the weights in memory
-    if layout == "dcp":
-        import torch.distributed.checkpoint as dcp
+    dirs: list[str] = []
+    for layout in layouts:  # every layout holds the same weights: the same model, saved each way
+        if layout == "dcp":
+            import torch.distributed.checkpoint as dcp
 
-        # One writer (no process group): every tensor is one chunk of one .distcp file, as a W=1
-        # accelerate save writes it; W writers would need W processes each holding its slice.
-        dcp_dir = Path(root) / "pytorch_model_fsdp_0"
-        dcp.save({"model": model.state_dict()}, checkpoint_id=str(dcp_dir), no_dist=True)
-        conn.send((str(dcp_dir), str(base)))
-        return
-    actor = save_fsdp_checkpoint(model, Path(root) / "global_step_1" / "actor", preset.world_size,
-                                 write_extra_state=False)
-    conn.send((str(actor), str(base)))
+            # One writer (no process group): every tensor is one chunk of one .distcp file, as a W=1
+            # accelerate save writes it; W writers would need W processes each holding its slice.
+            dcp_dir = Path(root) / "pytorch_model_fsdp_0"
+            dcp.save({"model": model.state_dict()}, checkpoint_id=str(dcp_dir), no_dist=True)
+            dirs.append(str(dcp_dir))
+        else:
+            dirs.append(str(save_fsdp_checkpoint(model, Path(root) / "global_step_1" / "actor", preset.world_size,
+                                                 write_extra_state=False)))
+    conn.send((dirs, str(base)))
 
 
 def build_checkpoint(root: Path, preset: Preset, layout: str = "verl") -> tuple[Path, Path]:
@@ -74,12 +76,18 @@ def build_checkpoint(root: Path, preset: Preset, layout: str = "verl") -> tuple[
 
     layout: "verl" (the preset's W rank files) or "dcp" (a torch DCP of one writer; presets with overrides only).
     """
-    if layout == "dcp" and preset.overrides is None:
+    dirs, base = build_checkpoints(root, preset, (layout,))
+    return dirs[layout], base
+
+
+def build_checkpoints(root: Path, preset: Preset, layouts: tuple[str, ...]) -> tuple[dict[str, Path], Path]:
+    """({layout: checkpoint dir}, base dir): the same model saved in each layout, by one child process."""
+    if "dcp" in layouts and preset.overrides is None:
         raise ValueError(f"preset {preset.name} has no fixed config: a DCP is built only for presets with overrides")
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_build, args=(child, str(root), preset, layout))
+    proc = ctx.Process(target=_build, args=(child, str(root), preset, layouts))
     proc.start()
-    actor, base = parent.recv()
+    dirs, base = parent.recv()
     proc.join()
-    return Path(actor), Path(base)
+    return {layout: Path(d) for layout, d in zip(layouts, dirs, strict=True)}, Path(base)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -38,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from checkpoints import PRESETS, Preset, build_checkpoint  # noqa: E402
+from checkpoints import PRESETS, Preset, build_checkpoints  # noqa: E402
 from measure import floor_seconds, settle, status_kb  # noqa: E402
 from server import prefect_api  # noqa: E402
 from system_state import resident_fraction, unwritten_mb  # noqa: E402
@@ -62,6 +63,7 @@ class Run:
     unwritten_peak_mb: float = 0.0
     before_s: float = 0.0
     after_s: float = 0.0
+    cpu_s: float = 0.0  # user + system seconds of the command: what a CPU-bound run spends its cores on
 
     @property
     def ratio(self) -> float:
@@ -78,6 +80,7 @@ class Timed:
     exited: float
     peak_private_kb: int
     unwritten_peak_mb: float
+    cpu_s: float = 0.0
 
 
 def timed_command(argv: list[str], env: dict[str, str]) -> Timed:
@@ -85,6 +88,8 @@ def timed_command(argv: list[str], env: dict[str, str]) -> Timed:
     peak = [0]
     unwritten = [unwritten_mb()]
     spawned = time.time()
+    # The server this script may start is a child too, but it is only counted once waited for (at the end).
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     stop = threading.Event()
@@ -104,7 +109,9 @@ def timed_command(argv: list[str], env: dict[str, str]) -> Timed:
     sampler.join()
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(argv[:3])} failed ({proc.returncode}): {err.decode()[-2000:]}")
-    return Timed(elapsed, spawned, exited, peak[0], unwritten[0])
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = (after.ru_utime - children.ru_utime) + (after.ru_stime - children.ru_stime)
+    return Timed(elapsed, spawned, exited, peak[0], unwritten[0], cpu_s)
 
 
 def mergeflow_argv(*args: str) -> list[str]:
@@ -151,28 +158,33 @@ def extraction_line(target: Path) -> str | None:
             f"({summary['size_ratio']:.4%} of the model)")
 
 
-def bench_dtype(actor: Path, base: Path, work: Path, dtype: str, repeats: int, env: dict[str, str],
+def bench_dtype(sources: dict[str, Path], base: Path, work: Path, dtype: str, repeats: int, env: dict[str, str],
                 formats: list[str], floor_per: str = "run") -> dict[str, tuple[list[Run], list[float]]]:
-    """Each output format once per round, alternating which goes first, each with its floor right before it
-    (`floor_per="round"`: the floors once at the start of each round, for every format of the round)."""
-    rank_files = source_files(actor)
-    results: dict[str, tuple[list[Run], list[float]]] = {f: ([], []) for f in formats}
-    def floors() -> tuple[float, float, float]:
+    """Each output format of each source layout once per round, alternating which goes first, each with its
+    floor right before it (`floor_per="round"`: the floors once at the start of each round, for every column
+    of the round that reads the same source). Columns are keyed by `column(layout, format, sources)`."""
+    columns = [(layout, f) for layout in sources for f in formats]
+    results: dict[str, tuple[list[Run], list[float]]] = {column(lo, f, sources): ([], []) for lo, f in columns}
+
+    def floors(layout: str) -> tuple[float, float, float]:
+        files = source_files(sources[layout])
         settle()
-        durable = floor_seconds(rank_files, work / "floor.bin")
+        durable = floor_seconds(files, work / "floor.bin")
         settle()
-        early = floor_seconds(rank_files, work / "floor.bin", early_writeback=True)
+        early = floor_seconds(files, work / "floor.bin", early_writeback=True)
         settle()
-        cached = floor_seconds(rank_files, work / "floor.bin", durable=False)
+        cached = floor_seconds(files, work / "floor.bin", durable=False)
         settle()
         return durable, early, cached
 
     for i in range(repeats + 1):  # round 0 warms the page cache and the server; it is not counted
-        round_floors = floors() if floor_per == "round" else None
-        for output_format in (formats if i % 2 == 0 else formats[::-1]):
-            runs, test_times = results[output_format]
-            target = work / f"out-{dtype}-{output_format.replace('+', '-').replace('=', '').replace(':', '-')}-{i}"
-            floor, floor_wb, floor_cache = round_floors or floors()
+        round_floors = {layout: floors(layout) for layout in sources} if floor_per == "round" else None
+        for layout, output_format in (columns if i % 2 == 0 else columns[::-1]):
+            actor, rank_files = sources[layout], source_files(sources[layout])
+            name = column(layout, output_format, sources)
+            runs, test_times = results[name]
+            target = work / f"out-{dtype}-{name.replace('+', '-').replace('=', '').replace(':', '-')}-{i}"
+            floor, floor_wb, floor_cache = round_floors[layout] if round_floors else floors(layout)
             cached_in, unwritten_start = resident_fraction(rank_files), unwritten_mb()
             merge = timed_command(mergeflow_argv("merge", "--backend", "fsdp", "--local_dir", str(actor),
                                                  "--base_model", str(base), "--target_dir", str(target),
@@ -188,10 +200,23 @@ def bench_dtype(actor: Path, base: Path, work: Path, dtype: str, repeats: int, e
             if i > 0:
                 runs.append(Run(floor, floor_wb, floor_cache, merge.wall_s, flow_s, merge.peak_private_kb, spans,
                                 cached_in, unwritten_start, merge.unwritten_peak_mb,
-                                run.start_time.timestamp() - merge.spawned, merge.exited - run.end_time.timestamp()))
+                                run.start_time.timestamp() - merge.spawned, merge.exited - run.end_time.timestamp(),
+                                merge.cpu_s))
                 test_times.append(timed_command(mergeflow_argv("test", "--backend", "fsdp", "--test_hf_dir", str(target)), env).wall_s)
             shutil.rmtree(target)
     return results
+
+
+def column(layout: str, output_format: str, sources: dict[str, Path]) -> str:
+    """A timed column's name: the output format, prefixed with its source layout when several are timed."""
+    return f"{layout}:{output_format}" if len(sources) > 1 else output_format
+
+
+def ratio_pairs(layouts: tuple[str, ...], formats: list[str], sources: dict[str, Path]) -> list[tuple[str, str]]:
+    """(column, reference) pairs: each format against its layout's first format, and each layout's
+    format against the first layout's same format (the same model, read from another layout)."""
+    pairs = [(column(lo, f, sources), column(lo, formats[0], sources)) for lo in layouts for f in formats[1:]]
+    return pairs + [(column(lo, f, sources), column(layouts[0], f, sources)) for lo in layouts[1:] for f in formats]
 
 
 def median_run(runs: list[Run]) -> Run:
@@ -216,10 +241,11 @@ def report(preset: Preset, nbytes: int, tensors: int, dtype: str, runs: list[Run
           f"{max(r.peak_private_kb for r in runs) / 1024:.0f} MiB; write throughput "
           f"{nbytes / statistics.median(r.cli_s for r in runs) / 1e6:.0f} MB/s (rank bytes / cli_s)")
     print(f"  mergeflow test of the artifact: {statistics.median(test_times):.2f} s (median of {len(test_times)})")
-    print("  each run: cli_s / durable floor; before + flow + after (s); input in the page cache at its start; "
-          "unwritten MB at its start and at most during it")
+    print("  each run: cli_s / durable floor; before + flow + after (s); CPU seconds (user + system) and the cores "
+          "they kept busy; input in the page cache at its start; unwritten MB at its start and at most during it")
     for r in runs:
         print(f"    {r.cli_s:6.2f} / {r.floor_s:6.2f}  {r.before_s:5.2f} + {r.flow_s:6.2f} + {r.after_s:5.2f}  "
+              f"cpu {r.cpu_s:6.1f} s ({r.cpu_s / r.cli_s:4.2f} cores)  "
               f"cached {r.cached_in:6.1%}  unwritten {r.unwritten_start_mb:7.0f} -> {r.unwritten_peak_mb:7.0f} MB")
     print(f"  task runs of the median run (ratio {mid.ratio:.2f}), seconds from the flow run's start:")
     print(f"    {'step':<22} {'runs':>4} {'from':>7} {'to':>7} {'task_s':>7}")
@@ -232,8 +258,9 @@ def main() -> int:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="real-depth")
     parser.add_argument("--dtypes", nargs="+", default=["preserve", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--layout", choices=["verl", "dcp"], default="verl",
-                        help="verl's W rank files, or the same model as a torch DCP written by one process")
+    parser.add_argument("--layout", nargs="+", choices=["verl", "dcp"], default=["verl"], dest="layouts",
+                        help="verl's W rank files, or the same model as a torch DCP written by one process; both "
+                             "(`--layout verl dcp`): the same model saved both ways, interleaved, with dcp / verl")
     parser.add_argument("--output-format", nargs="+", default=["transformer"], dest="output_formats",
                         help="outputs to time, interleaved in each round (the first is the reference of the ratios); "
                              "FORMAT+FLAG=VALUE adds merge flags, e.g. single_file+quantize=fp8")
@@ -243,10 +270,10 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the built checkpoint (and print where)")
     args = parser.parse_args()
     preset = PRESETS[args.preset]
+    layouts = tuple(dict.fromkeys(args.layouts))
     work = Path(tempfile.mkdtemp(prefix=f"bench-{preset.name}-", dir=args.root))
     try:
-        actor, base = build_checkpoint(work / "ckpt", preset, args.layout)
-        nbytes = sum(p.stat().st_size for p in source_files(actor))
+        sources, base = build_checkpoints(work / "ckpt", preset, layouts)
         with prefect_api() as api_env:
             os.environ.update(api_env)  # this process reads the task runs from the same server
             env = dict(os.environ, PREFECT_TASKS_REFRESH_CACHE="true", HF_HUB_OFFLINE="1")
@@ -255,13 +282,15 @@ def main() -> int:
             env.pop("PYTHONDONTWRITEBYTECODE", None)
             tensors = _tensor_count(base)
             for dtype in args.dtypes:
-                results = bench_dtype(actor, base, work, dtype, args.repeats, env, args.output_formats, args.floor_per)
-                for output_format, (runs, test_times) in results.items():
-                    report(preset, nbytes, tensors, dtype, runs, test_times, args.layout, output_format)
-                reference = args.output_formats[0]
-                for output_format in args.output_formats[1:]:
-                    ratios = [b.cli_s / a.cli_s for a, b in zip(results[reference][0], results[output_format][0], strict=True)]
-                    print(f"\n{output_format} / {reference}, whole command, same rounds: median {statistics.median(ratios):.3f} "
+                results = bench_dtype(sources, base, work, dtype, args.repeats, env, args.output_formats, args.floor_per)
+                for layout in layouts:
+                    nbytes = sum(p.stat().st_size for p in source_files(sources[layout]))
+                    for output_format in args.output_formats:
+                        runs, test_times = results[column(layout, output_format, sources)]
+                        report(preset, nbytes, tensors, dtype, runs, test_times, layout, output_format)
+                for name, ref in ratio_pairs(layouts, args.output_formats, sources):
+                    ratios = [b.cli_s / a.cli_s for a, b in zip(results[ref][0], results[name][0], strict=True)]
+                    print(f"\n{name} / {ref}, whole command, same rounds: median {statistics.median(ratios):.3f} "
                           f"(rounds: {', '.join(f'{r:.3f}' for r in ratios)})")
         print("\ncli_s: the whole `mergeflow merge` process; floor: read + write + sha256 (fsync) of the rank files in one "
               "pass, measured right before each run; ratio: median of per-run cli_s / floor")

@@ -112,6 +112,38 @@ def pristine_flux_w2(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return make_export(tmp_path_factory.mktemp("flux-w2"), "FluxTransformer2DModel", 2)
 
 
+def _shared_dcp(tmp_path_factory: pytest.TempPathFactory, name: str, **kwargs: Any) -> Any:
+    """A DCP written once per test session: the xdist workers share the base temp dir's parent, and the
+    first to take the lock runs the gloo ranks (seconds); the others reuse what it wrote. Tests never
+    change it (they copy it first)."""
+    from filelock import FileLock
+
+    from tests.fixtures.dcp_writers import write_dcp_checkpoint
+
+    base = tmp_path_factory.getbasetemp()
+    # Under xdist each worker's base temp is pytest-N/popen-gwK: its parent is this session's alone.
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared-dcp"
+    shared.mkdir(exist_ok=True)
+    with FileLock(str(shared / f"{name}.lock")):
+        return write_dcp_checkpoint(shared / name, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def accelerate_dcp(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A real DCP of 3 gloo ranks (float32; uneven and empty shards), keys prefixed "model." as accelerate's
+    FSDP2 save writes them (tests.fixtures.dcp_writers.DcpCheckpoint)."""
+    return _shared_dcp(tmp_path_factory, "dcp3", world_size=3, prefix="model.")
+
+
+@pytest.fixture(scope="session")
+def bf16_lora_dcp(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A real DCP of 2 gloo ranks, bfloat16 weights, a PEFT model (base_model.model. prefix, base_layer +
+    lora_A/B keys)."""
+    import torch
+
+    return _shared_dcp(tmp_path_factory, "dcp2", world_size=2, dtype=torch.bfloat16, lora=True)
+
+
 @pytest.fixture()
 def prefect_api(prefect_server: PrefectServer) -> Iterator[PrefectServer]:
     """Run flows of this test in-process against the session's server."""

@@ -21,33 +21,7 @@ from mergeflow import validate_artifact
 from mergeflow.demo.checkpoints import build_transformer, save_base_transformer
 from mergeflow.formats import dcp
 from mergeflow.sources import dcp as dcp_source
-from tests.fixtures.dcp_writers import DcpCheckpoint, write_dcp_checkpoint
-
-
-def _shared_dcp(tmp_path_factory: pytest.TempPathFactory, name: str, **kwargs: object) -> DcpCheckpoint:
-    """A DCP written once per test session: the xdist workers share the base temp dir's parent, and the
-    first to take the lock runs the gloo ranks (seconds); the others reuse what it wrote. Tests never
-    change it (they copy it first)."""
-    from filelock import FileLock
-
-    base = tmp_path_factory.getbasetemp()
-    # Under xdist each worker's base temp is pytest-N/popen-gwK: its parent is this session's alone.
-    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared-dcp"
-    shared.mkdir(exist_ok=True)
-    with FileLock(str(shared / f"{name}.lock")):
-        return write_dcp_checkpoint(shared / name, **kwargs)  # type: ignore[arg-type]
-
-
-@pytest.fixture(scope="module")
-def accelerate_dcp(tmp_path_factory: pytest.TempPathFactory) -> DcpCheckpoint:
-    """3 ranks (uneven and empty shards), keys prefixed "model." as accelerate's FSDP2 save writes them."""
-    return _shared_dcp(tmp_path_factory, "dcp3", world_size=3, prefix="model.")
-
-
-@pytest.fixture(scope="module")
-def bf16_lora_dcp(tmp_path_factory: pytest.TempPathFactory) -> DcpCheckpoint:
-    """2 ranks, bfloat16 weights, a PEFT model (base_model.model. prefix, base_layer + lora_A/B keys)."""
-    return _shared_dcp(tmp_path_factory, "dcp2", world_size=2, dtype=torch.bfloat16, lora=True)
+from tests.fixtures.dcp_writers import DcpCheckpoint
 
 
 def _copy(ckpt: DcpCheckpoint, root: Path) -> Path:

@@ -40,16 +40,9 @@ from mergeflow.io.session import export_session
 from mergeflow.sources import dcp as dcp_source
 from mergeflow.sources.registry import file_hasher
 from mergeflow.sources.verl_ranks import hash_rank_file
-from tests.fixtures.dcp_writers import DcpCheckpoint
-from tests.test_dcp import _shared_dcp
+from tests.fixtures.dcp_writers import DcpCheckpoint, rewrite_chunk_record
 
 VICTIM = "__1_0.distcp"
-
-
-@pytest.fixture(scope="module")
-def accelerate_dcp(tmp_path_factory: pytest.TempPathFactory) -> DcpCheckpoint:
-    """The 3-rank gloo DCP of tests/test_dcp.py (written once per session, shared)."""
-    return _shared_dcp(tmp_path_factory, "dcp3", world_size=3, prefix="model.")
 
 
 @pytest.fixture()
@@ -301,21 +294,13 @@ def test_a_fifo_in_a_dcp_is_refused_without_blocking(tmp_path: Path, accelerate_
 def _as_parameter_record(directory: Path, key: str) -> None:
     """Rewrite one chunk's record as torch.save(nn.Parameter(chunk)) (what a planner that does not detach saves),
     shifting the records after it and updating `.metadata`'s byte ranges."""
-    metadata = pickle.loads((directory / ".metadata").read_bytes())  # our own fixture
-    index, info = next((i, s) for i, s in metadata.storage_data.items() if i.fqn == key)
-    path = directory / info.relative_path
-    data = path.read_bytes()
-    tensor = torch.load(io.BytesIO(data[info.offset:info.offset + info.length]), weights_only=True)
-    buffer = io.BytesIO()
-    torch.save(torch.nn.Parameter(tensor, requires_grad=False), buffer)
-    record = buffer.getvalue()
-    shift = len(record) - info.length
-    path.write_bytes(data[:info.offset] + record + data[info.offset + info.length:])
-    for other in metadata.storage_data.values():
-        if other.relative_path == info.relative_path and other.offset > info.offset:
-            other.offset += shift
-    info.length = len(record)
-    (directory / ".metadata").write_bytes(pickle.dumps(metadata))
+    def as_parameter(record: bytes) -> bytes:
+        tensor = torch.load(io.BytesIO(record), weights_only=True)
+        buffer = io.BytesIO()
+        torch.save(torch.nn.Parameter(tensor, requires_grad=False), buffer)
+        return buffer.getvalue()
+
+    rewrite_chunk_record(directory, key, 0, as_parameter)
 
 
 def test_a_parameter_chunk_reads_as_its_tensor(accelerate_dcp: DcpCheckpoint, copy: Path) -> None:

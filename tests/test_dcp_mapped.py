@@ -18,7 +18,6 @@ import shutil
 import subprocess
 import sys
 import zipfile
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,22 +28,9 @@ from mergeflow.formats import dcp, dcp_mapped
 from mergeflow.formats.rank_pickle import MappedFile, map_file
 from mergeflow.io.session import export_session
 from mergeflow.sources import dcp as dcp_source
-from tests.fixtures.dcp_writers import DcpCheckpoint
-from tests.test_dcp import _shared_dcp
+from tests.fixtures.dcp_writers import DcpCheckpoint, rewrite_chunk_record
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def accelerate_dcp(tmp_path_factory: pytest.TempPathFactory) -> DcpCheckpoint:
-    """3 gloo ranks, float32, uneven and empty shards (tests/test_dcp.py's, written once per session)."""
-    return _shared_dcp(tmp_path_factory, "dcp3", world_size=3, prefix="model.")
-
-
-@pytest.fixture(scope="module")
-def bf16_lora_dcp(tmp_path_factory: pytest.TempPathFactory) -> DcpCheckpoint:
-    """2 gloo ranks, bfloat16 base weights beside float32 adapters."""
-    return _shared_dcp(tmp_path_factory, "dcp2", world_size=2, dtype=torch.bfloat16, lora=True)
 
 
 @pytest.fixture()
@@ -209,7 +195,7 @@ def test_a_storage_larger_than_its_chunk_is_refused(copy: Path, monkeypatch: pyt
         assert pickled[at:at + len(count)] == count
         return _replace_record(record, name, pickled[:at] + pickle.dumps(numel, protocol=2)[2:-1] + pickled[at + len(count):])
 
-    _rewrite_record(copy, tensor.key, len(tensor.chunks) - 1, bigger)
+    rewrite_chunk_record(copy, tensor.key, len(tensor.chunks) - 1, bigger)
     source = dcp.open_dcp(copy).tensors[tensor.name].chunks[-1]
     _no_loader(monkeypatch)
     start = _data_offset(copy, source)
@@ -230,23 +216,6 @@ def _replace_record(archive: bytes, name: str, content: bytes, compress: int = z
             body = content if info.filename == name else old.read(info.filename)
             new.writestr(info.filename, body, compress_type=compress if info.filename == name else zipfile.ZIP_STORED)
     return out.getvalue()
-
-
-def _rewrite_record(directory: Path, key: str, index: int, rewrite: Callable[[bytes], bytes]) -> None:
-    """Chunk `index` of `key` rewritten in place, the records after it shifted and `.metadata`'s ranges updated."""
-    metadata = pickle.loads((directory / ".metadata").read_bytes())  # our own fixture's
-    offsets = dcp.open_dcp(directory).tensors[dcp.model_name(key)].chunks[index].offsets
-    info = next(s for i, s in metadata.storage_data.items() if i.fqn == key and tuple(i.offset) == offsets)
-    path = directory / info.relative_path
-    data = path.read_bytes()
-    record = rewrite(data[info.offset:info.offset + info.length])
-    shift = len(record) - info.length
-    path.write_bytes(data[:info.offset] + record + data[info.offset + info.length:])
-    for other in metadata.storage_data.values():
-        if other.relative_path == info.relative_path and other.offset > info.offset:
-            other.offset += shift
-    info.length = len(record)
-    (directory / ".metadata").write_bytes(pickle.dumps(metadata))
 
 
 def _counting_loader(monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -271,7 +240,7 @@ def test_a_compressed_storage_record_is_read_by_torch_s_loader(accelerate_dcp: D
             name = next(n for n in archive.namelist() if n.endswith("/data/0"))
             return _replace_record(record, name, archive.read(name), zipfile.ZIP_DEFLATED)
 
-    _rewrite_record(copy, tensor.key, 0, deflated)
+    rewrite_chunk_record(copy, tensor.key, 0, deflated)
     parsed = dcp.open_dcp(copy)
     source = parsed.tensors[tensor.name].chunks[0]
     with pytest.raises(dcp_mapped.NotFastReadable):
@@ -299,7 +268,7 @@ def test_records_the_mapped_reader_leaves_get_the_loader_s_messages(copy: Path, 
             torch.save({"w": torch.load(io.BytesIO(record), weights_only=True)}, buffer)
             return buffer.getvalue()
 
-        _rewrite_record(copy, tensor.key, 0, as_dict)
+        rewrite_chunk_record(copy, tensor.key, 0, as_dict)
         expected = "holds a builtins.dict, not a tensor"
     parsed = dcp.open_dcp(copy)
     source = parsed.tensors[tensor.name].chunks[0]

@@ -35,7 +35,7 @@ from mergeflow.architectures.quantization import (
     scale_of,
 )
 from mergeflow.demo.tiny_transformers import run_tiny_forward
-from mergeflow.errors import ArtifactInvalidError, CheckpointError, UsageError
+from mergeflow.errors import ArtifactInvalidError, CastError, CheckpointError, UsageError
 
 # The stated tolerance: relative L2 error of the dequantized model's forward outputs against the bf16 model's.
 # (e4m3 keeps 3 mantissa bits: each weight within 2**-4 of its value relative to its binade.)
@@ -281,4 +281,27 @@ def test_fp8_with_another_dtype_is_refused_before_any_work(tmp_path: Path, prefe
     ex = make_export(tmp_path / "ckpt", "QwenImageTransformer2DModel", world_size=2)
     with pytest.raises(UsageError, match="--quantize fp8 writes every unquantized tensor bf16"):
         merge_model(ex.config(tmp_path / "out", output_format="single_file", quantize="fp8", dtype="float16"))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("value,error,message", [(float("nan"), CheckpointError, r"to_q\.weight \(rank 1\) holds inf or nan values"),
+                                                 (3.4e38, CastError, r"casting transformer_blocks\.0\.attn\.to_q\.weight to bfloat16 overflows")])
+def test_a_quantized_weight_that_is_broken_or_overflows_bf16_is_refused_for_what_it_is(
+        tmp_path: Path, prefect_api: object, value: float, error: type[Exception], message: str) -> None:
+    # The quantizer skips the finiteness scans of an unquantized export (scale_of proves the weight finite in its
+    # own pass); a refusal then reads the weight again, checked, to say which it is: a broken weight, or a float32
+    # value beyond bf16's range (the weights are bf16 before they are quantized).
+    from rank_tools import rewrite_rank
+    from torch.distributed.tensor import DTensor
+
+    ex = make_export(tmp_path / "ckpt", "QwenImageTransformer2DModel", world_size=2)
+    key = "transformer_blocks.0.attn.to_q.weight"
+
+    def poison(state: dict[str, Any]) -> None:
+        local = state[key].to_local() if isinstance(state[key], DTensor) else state[key]
+        local.view(-1)[3] = value
+
+    rewrite_rank(ex.actor_dir / "model_world_size_2_rank_1.pt", poison)
+    with pytest.raises(error, match=message):
+        merge_model(ex.config(tmp_path / "out", output_format="single_file", quantize="fp8"))
     assert not (tmp_path / "out").exists()

@@ -11,6 +11,7 @@ than the ones measured fails the export.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -97,6 +98,23 @@ def test_inf_and_nan_are_refused_as_before(bad: float) -> None:
         quantize_measured(source, torch.tensor(1.0), "w")
 
 
+def test_of_several_blocks_that_break_the_bound_the_first_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    source = torch.randn(4 * MEASURE_BLOCK, generator=torch.Generator().manual_seed(8)) * 0.05
+    first, later = 2 * MEASURE_BLOCK + 11, 3 * MEASURE_BLOCK + 5
+    source[[first, later]] = 0.4  # the amax (7 sigma above the rest): the only elements coded 448
+    source = source.to(torch.bfloat16)
+    scale = scale_of(source)
+    codes = quantize(source, scale).view(torch.uint8)
+    code = int(codes[first])
+    assert torch.nonzero(codes == code).reshape(-1).tolist() == [first, later]
+    table = quantization._e4m3_table()
+    wrong = table.clone()
+    wrong[code] = table[code] * 0.9  # 448 read back as 403: far beyond half an ulp (16)
+    monkeypatch.setattr(quantization, "_e4m3_table", lambda: wrong)
+    with pytest.raises(CheckpointError, match=rf"w: dequantized element {first} is"):
+        quantize_measured(source, scale, "w")
+
+
 def test_a_dequantized_value_off_by_one_code_is_caught_in_its_block(monkeypatch: pytest.MonkeyPatch) -> None:
     source = torch.randn(3, MEASURE_BLOCK, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     scale = scale_of(source)
@@ -159,13 +177,15 @@ def _whole_tensor_q8_0(tensor: torch.Tensor, stored_shape: tuple[int, ...]) -> t
 
 
 def test_q8_0_one_pass_gives_the_bytes_and_figures_of_the_whole_tensor_computation() -> None:
-    from mergeflow.formats.gguf_quant import Q8_0_RUN, q8_0_encode
+    from mergeflow.formats.gguf_quant import Q8_0_RUN, Q8_0_SEGMENT_RUNS, q8_0_encode
 
     g = torch.Generator().manual_seed(6)
     odd = torch.randn(3, Q8_0_RUN + 5 * 32, generator=g) * 0.02  # runs that end mid-row, a short last run
     odd[1, :64] = 0  # all-zero blocks
     odd[2, 32] = 1000.0  # one large value in a block
-    cases = [*_flux_weights(), ("odd", odd), ("tiny_scales", torch.randn(4, 96, generator=g) * 1e-9),
+    several = torch.randn(5, Q8_0_RUN * Q8_0_SEGMENT_RUNS // 2 + 7 * 32, generator=g) * 0.02  # 3 segments, mid-row
+    cases = [*_flux_weights(), ("odd", odd), ("several_segments", several),
+             ("tiny_scales", torch.randn(4, 96, generator=g) * 1e-9),
              ("overflow", torch.full((2, 64), 1e7))]  # a float16 scale that overflows: bound_ratio inf, as before
     checked = 0
     for name, values in cases:
@@ -178,6 +198,28 @@ def test_q8_0_one_pass_gives_the_bytes_and_figures_of_the_whole_tensor_computati
         assert {"source_sha256": got.source_sha256, **got.figures.to_json(), **got.errors} == want, name
         checked += 1
     assert checked > 20
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "BF16", "F32"])
+def test_scanning_a_stored_tensor_in_segments_gives_the_whole_tensor_figures(kind: str) -> None:
+    """What `test` computes of a GGUF tensor, in segments on the cores, against gguf-py on the whole tensor."""
+    from mergeflow.formats.gguf_quant import SCAN_VALUES, dequantize, q8_0_quantize, scan_stored, stored_figures
+
+    g = torch.Generator().manual_seed(9)
+    values = (torch.randn(7, (SCAN_VALUES // 96 + 1) * 32, generator=g) * 0.03).to(torch.bfloat16)  # 3 segments, mid-row
+    values[3, :64] = 0
+    if kind == "Q8_0":
+        stored, back_to = q8_0_quantize(values.float().numpy()), None
+    elif kind == "BF16":
+        stored, back_to = values.view(torch.uint8).numpy(), torch.bfloat16
+    else:
+        stored, back_to = values.float().numpy(), torch.bfloat16
+    figures, back = scan_stored(stored, kind, back_to)  # type: ignore[arg-type]
+    assert figures == stored_figures(stored, kind, dequantize(stored, kind))  # type: ignore[arg-type]
+    if back_to is not None:  # the bytes of the source, taken back from the stored values
+        assert back == hashlib.sha256(values.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+    else:
+        assert back is None and figures.blocks == values.numel() // 32
 
 
 # --- FP8 scales from the source pieces' range -----------------------------------------------------

@@ -62,8 +62,10 @@ def _read_base_model(source: BaseModelSource, expect: TensorLayout | None) -> to
 
 
 def read_source(source: TensorSource | None, states: PieceSource, *, verify: bool = False,
-                expect: TensorLayout | None = None) -> torch.Tensor | None:
-    """One source tensor, whole; with verify, re-slice it and compare every rank shard bit for bit."""
+                expect: TensorLayout | None = None, check_values: bool = True) -> torch.Tensor | None:
+    """One source tensor, whole; with verify, re-slice it and compare every rank shard bit for bit.
+
+    check_values=False leaves the finiteness of rank pieces to a caller that proves it on its own pass."""
     if source is None:
         return None
     if isinstance(source, BaseModelSource):
@@ -71,7 +73,7 @@ def read_source(source: TensorSource | None, states: PieceSource, *, verify: boo
     if isinstance(source, ComputedSource):
         return transformed_tensor(source.write, states, verify=verify)
     layout = source.layout
-    chunks = verified_chunks(layout, states)
+    chunks = verified_chunks(layout, states, check_values=check_values)
     tensor = _assemble(layout, chunks)
     if verify:
         verify_round_trip(layout, tensor, chunks, layout.dtype, layout.key)

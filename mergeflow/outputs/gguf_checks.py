@@ -10,7 +10,6 @@ source's bytes exactly and BF16 tensors of a bf16 source are its bytes.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,7 +30,6 @@ def _number(entry: Mapping[str, Any], key: str, where: str) -> float:
 
 def check_gguf_file(path: Path, manifest: ManifestDocument, quantization: Mapping[str, Any]) -> int:
     import gguf
-    import numpy as np
     import torch
 
     from mergeflow.architectures.gguf_layout import architecture_named, encoding
@@ -41,7 +39,7 @@ def check_gguf_file(path: Path, manifest: ManifestDocument, quantization: Mappin
         read_ints,
         read_string,
     )
-    from mergeflow.formats.gguf_quant import dequantize, stored_figures
+    from mergeflow.formats.gguf_quant import scan_stored
 
     method, records = quantization.get("method"), quantization.get("tensors")
     arch = architecture_named(str(quantization.get("architecture")))
@@ -70,8 +68,12 @@ def check_gguf_file(path: Path, manifest: ManifestDocument, quantization: Mappin
                                        f"the rules say {enc.kind}{list(enc.stored_shape)}")
         if stored_shape != shape and read_ints(reader, f"{ORIG_SHAPE_PREFIX}{name}") != list(shape):
             raise ArtifactInvalidError(f"{name}: reshaped without its comfy.gguf.orig_shape")
-        dequantized = dequantize(t.data, enc.kind)
-        found = stored_figures(t.data, enc.kind, dequantized).to_json()
+        # Source-free bit-exactness where the stored type holds every source value: the digest of the source's bytes.
+        source_dtype = getattr(torch, info["dtype"], None)
+        exact = (enc.kind != "Q8_0" and (enc.kind == "F32" or source_dtype == torch.bfloat16)
+                 and source_dtype in (torch.float32, torch.bfloat16, torch.float16))
+        found_figures, back = scan_stored(t.data, enc.kind, source_dtype if exact else None)
+        found = found_figures.to_json()
         if any(entry.get(k) != found.get(k) for k in _FIGURES):
             raise ArtifactInvalidError(f"{name}: the file does not reproduce the recorded figures")
         if enc.kind == "Q8_0":
@@ -80,11 +82,6 @@ def check_gguf_file(path: Path, manifest: ManifestDocument, quantization: Mappin
                 raise ArtifactInvalidError(f"{name}: the recorded Q8_0 error exceeds the block-scale bound")
             _number(entry, "max_rel_error", where)
             continue
-        # Source-free bit-exactness where the stored type holds every source value: the digest of the source's bytes.
-        source_dtype = getattr(torch, info["dtype"])
-        exact = enc.kind == "F32" or source_dtype == torch.bfloat16
-        if exact and source_dtype in (torch.float32, torch.bfloat16, torch.float16):
-            back = torch.from_numpy(np.array(dequantized, dtype=np.float32)).reshape(shape).to(source_dtype)
-            if hashlib.sha256(back.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest() != entry.get("source_sha256"):
-                raise ArtifactInvalidError(f"{name}: the {enc.kind} tensor is not its source bit for bit")
+        if exact and back != entry.get("source_sha256"):
+            raise ArtifactInvalidError(f"{name}: the {enc.kind} tensor is not its source bit for bit")
     return len(tensors)

@@ -22,11 +22,13 @@ import torch
 from mergeflow.architectures.quantization import (
     OP_SCALE,
     OP_WEIGHT,
+    SCALE_SUFFIX,
     quantize_measured,
     scale_of,
 )
-from mergeflow.errors import CheckpointError
+from mergeflow.errors import CastError, CheckpointError
 from mergeflow.export.reconstruct.rebuild import PieceSource, bits, cast
+from mergeflow.formats.safetensors_format import torch_dtype
 from mergeflow.io.jsonfiles import write_json_durable
 from mergeflow.records import ArchitectureOp, ShardPlan, ShardRecord, TensorWrite
 
@@ -37,13 +39,19 @@ _STATS: dict[tuple[int, str], dict[str, Any]] = {}  # weight key -> its record, 
 _SCALES: dict[tuple[int, str], torch.Tensor] = {}  # scale key -> the scale its weight's verification recomputed
 
 
-def _source(spec: ArchitectureOp, states: PieceSource) -> torch.Tensor:
+def _source(spec: ArchitectureOp, states: PieceSource, *, checked: bool = True, name: str = "a tensor to quantize") -> torch.Tensor:
+    """The verified source of a quantized tensor, cast to its source dtype.
+
+    checked=False skips the two finiteness scans (of the rank pieces, and of the cast for an overflow):
+    `scale_of` then proves the tensor finite in its own pass (an inf or nan makes its min or max one).
+    """
     from mergeflow.lora.fusion import read_source
 
-    tensor = read_source(spec.inputs[0], states, verify=True)
+    tensor = read_source(spec.inputs[0], states, verify=True, check_values=checked)
     if tensor is None:
         raise CheckpointError("a quantized tensor names no source")
-    return cast(tensor, str(spec.params["source_dtype"]), "a tensor to quantize")
+    dtype = str(spec.params["source_dtype"])
+    return cast(tensor, dtype, name) if checked else tensor.to(torch_dtype(dtype))
 
 
 def is_quantized_weight(tw: TensorWrite) -> bool:
@@ -54,8 +62,12 @@ def quantized_weight(tw: TensorWrite, states: PieceSource) -> torch.Tensor:
     """The float8 weight to write, quantized from its bit-verified source and proven within the fp8 bound
     in the same pass; its record and scale are kept for the manifest and the scale's check."""
     assert isinstance(tw.transform, ArchitectureOp)
-    source = _source(tw.transform, states)
-    scale = scale_of(source)
+    source = _source(tw.transform, states, checked=False)
+    try:
+        scale = scale_of(source)  # refuses an inf or nan
+    except CheckpointError:
+        _source(tw.transform, states, name=tw.name)  # names the cause, as an export without quantization does:
+        raise  # the rank holding a broken value, or a cast to the source dtype that overflows
     q, stats = quantize_measured(source, scale, tw.name)
     _keep(tw, states, stats, scale)
     return q
@@ -82,7 +94,12 @@ def quantized_scale(tw: TensorWrite, states: PieceSource) -> torch.Tensor:
     if found is None:
         return transformed_tensor(tw, states)
     # The casts the whole path makes (refusing an overflow the same way), on the two values.
-    return scale_of(cast(torch.stack(found), str(spec.params["source_dtype"]), "a tensor to quantize"))
+    try:
+        return scale_of(cast(torch.stack(found), str(spec.params["source_dtype"]), tw.name))
+    except (CheckpointError, CastError):
+        # Which it is, and where: the weight read whole and checked names the rank holding an inf or nan.
+        _source(spec, states, name=tw.name.removesuffix(SCALE_SUFFIX) + ".weight")
+        raise
 
 
 # Original-layout ops that only move values: the moved tensor's min and max are its sources'.
