@@ -115,6 +115,9 @@ def entry() -> NoReturn:
     # heap (0.5-0.9 s of a tiny merge's CPU) that find nothing. A larger first generation still
     # collects cyclic garbage, every 50,000 allocations instead of 700, so a long `serve` stays flat.
     gc.set_threshold(50_000, 10, 10)
+    from mergeflow.io.heap import return_large_buffers
+
+    return_large_buffers()  # freed tensors go back to the system: private memory stays flat (mergeflow/io/heap.py)
     code = main()  # an exception (argparse's SystemExit, Ctrl-C) takes Python's own exit path
     end_process(code)
 
