@@ -389,3 +389,33 @@ def test_the_cli_merges_and_tests_a_dcp_and_refuses_a_foreign_base_in_one_line(
     assert refused.returncode == 2 and all(line.startswith("mergeflow: ") for line in lines), refused.stderr
     assert len(errors) == 1 and "the checkpoint lacks" in errors[0] and lines[-1] == errors[0], refused.stderr
     assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.parametrize("output_format", ["transformer", "single_file"])
+def test_a_dcp_export_reads_streamed_chunks_in_place_never_copied(
+        tmp_path: Path, prefect_api: object, accelerate_dcp: DcpCheckpoint, monkeypatch: pytest.MonkeyPatch,
+        output_format: str) -> None:
+    # `local` copies a chunk at an odd offset into an aligned tensor; the writer and its read-back of a streamed
+    # tensor (and the single file's hash ahead) only use the bytes, so they read every chunk in place.
+    typed: list[str] = []
+    real = dcp.DcpChunks.local
+
+    def local(self: dcp.DcpChunks, chunk: int, key: str) -> torch.Tensor:
+        typed.append(key)
+        return real(self, chunk, key)
+
+    monkeypatch.setattr(dcp.DcpChunks, "local", local)
+    out, _ = _merge(accelerate_dcp, tmp_path / "out", output_format=output_format)
+    expected = {dcp.model_name(k): v for k, v in accelerate_dcp.trained.items()}
+    if output_format == "transformer":
+        assert_bit_exact(expected, output_state(out))
+        assert typed == []
+    else:
+        from mergeflow.architectures.original_layout import layout_for, to_original_state_dict
+
+        config = json.loads((out / "config.json").read_text())
+        assert_bit_exact(to_original_state_dict(layout_for(accelerate_dcp.class_name), expected, config),
+                         output_state(out))
+        # Only the sources of computed tensors (a layout's reordered halves) are read as values.
+        assert len(set(typed)) < len(expected) // 4, sorted(set(typed))
+    assert validate_artifact(out) == {"integrity": "passed", "architecture": accelerate_dcp.class_name}

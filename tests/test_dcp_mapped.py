@@ -4,7 +4,8 @@ The mapped tensors are bit-equal to torch's loader's and to the trained model; t
 (or, where the file puts a storage at an offset torch cannot view as its dtype, one aligned copy); a storage
 pointing outside its chunk's bytes is refused in one line; records the mapped reader leaves still read through
 torch's loader with its messages; and reading every chunk of a few hundred MB grows private memory only by the
-copied (misaligned) storages, against all of it for the loader.
+copied (misaligned) storages, against all of it for the loader, and not at all read in place (the bytes a
+streamed tensor's writer and read-back use), where no storage is copied.
 """
 
 from __future__ import annotations
@@ -313,3 +314,29 @@ def test_reading_every_chunk_grows_private_memory_only_by_the_copied_storages(la
     assert mapped["growth_kb"] * 1024 < mapped["copied_bytes"] + slack, mapped  # viewed storages cost nothing
     saved = loader["growth_kb"] * 1024 - mapped["growth_kb"] * 1024
     assert saved > 0.9 * (data - mapped["copied_bytes"]), (mapped, loader)
+
+
+def test_chunks_read_in_place_are_never_copied_and_hold_the_same_bytes(accelerate_dcp: DcpCheckpoint,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    parsed = dcp.open_dcp(accelerate_dcp.dcp_dir)
+    _no_loader(monkeypatch)
+    chunks = dcp.DcpChunks(parsed)
+    odd = 0
+    for tensor in parsed.tensors.values():
+        for index, source in enumerate(tensor.chunks):
+            got, aligned = chunks.local_in_place(index, tensor.key), chunks.local(index, tensor.key)
+            if not got.numel():
+                continue
+            mapped = chunks._mapped[source.file]
+            assert mapped is not None and _inside(got, mapped)  # the file's own bytes, whatever their alignment
+            assert got.shape == aligned.shape and got.dtype == aligned.dtype and got.is_contiguous()
+            assert _bits(got).numpy().tobytes() == _bits(aligned).numpy().tobytes()
+            odd += got.data_ptr() % got.element_size() != 0
+    assert odd  # some chunks sit where `local` has to copy them: here they are viewed in place
+
+
+def test_reading_every_chunk_in_place_grows_private_memory_by_nothing(large_dcp: Path) -> None:
+    in_place, mapped = _private_growth(large_dcp, "in_place"), _private_growth(large_dcp, "mapped")
+    assert in_place["data_bytes"] == mapped["data_bytes"] > 250e6
+    assert in_place["copied_bytes"] == 0 and mapped["copied_bytes"] > 16 * 2**20, (in_place, mapped)  # the control
+    assert in_place["growth_kb"] * 1024 < 16 * 2**20, in_place  # the interpreter's slack only

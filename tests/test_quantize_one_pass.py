@@ -249,3 +249,79 @@ def test_scales_from_the_pieces_range_are_the_whole_source_s(tmp_path: Path, pre
     assert whole  # this time each scale was computed from its whole cast source
     assert (ranged / FILE).read_bytes() == (computed / FILE).read_bytes()
     assert (ranged / "merge_manifest.json").read_bytes() == (computed / "merge_manifest.json").read_bytes()
+
+
+# --- FP8 weights quantized straight from their rank pieces ----------------------------------------
+
+def _row_pieces(values: torch.Tensor) -> list[torch.Tensor]:
+    """float32 rank pieces of a tensor split by rows as torch.chunk does for FSDP (uneven, an empty last one)."""
+    rows = values.shape[0] if values.ndim else 1
+    cut = [0, -(-rows // 2), rows, rows]
+    flat_rows = values.reshape(rows, -1)
+    return [flat_rows[a:b].clone() for a, b in zip(cut, cut[1:])]
+
+
+def test_quantized_from_float32_rank_pieces_is_the_cast_whole_tensor_quantized() -> None:
+    from mergeflow.architectures.quantization import quantize_pieces, scale_of_amax
+
+    checked = 0
+    for name, values in _all_cases():
+        whole = values.to(torch.bfloat16)
+        if not whole.numel():
+            continue
+        scale = scale_of(whole)
+        want_q, want = quantize_measured(whole, scale, name)
+        q, record, amax = quantize_pieces(_row_pieces(values.float()), torch.bfloat16, tuple(whole.shape), scale, name)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)), name
+        assert record == want, name  # the source's sha256 is of the bf16 values, hashed block by block
+        # The pass's own largest value proves the scale it was given.
+        assert torch.equal(scale_of_amax(amax).view(torch.int32), scale.view(torch.int32)), name
+        checked += 1
+    assert checked > 20
+
+
+def test_a_float32_piece_beyond_bf16_or_the_wrong_count_is_refused() -> None:
+    from mergeflow.architectures.quantization import quantize_pieces
+
+    pieces = [torch.ones(4, 8), torch.ones(3, 8)]
+    pieces[1][2, 5] = 3.4e38  # finite in float32, inf in bf16
+    with pytest.raises(CheckpointError, match="w holds inf or nan"):
+        quantize_pieces(pieces, torch.bfloat16, (7, 8), torch.tensor(1.0), "w")
+    with pytest.raises(CheckpointError, match=r"w: its pieces hold 56 values, its shape \[8, 8\] needs 64"):
+        quantize_pieces([torch.ones(4, 8), torch.ones(3, 8)], torch.bfloat16, (8, 8), torch.tensor(1.0), "w")
+
+
+def test_the_writer_quantizes_from_the_pieces_and_proves_the_scale_it_used(tmp_path: Path, prefect_api: object,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Flux: plain and fused (cat of q, k, v and the MLP input) sources, float32 ranks cast to bf16 block by block.
+    from mergeflow.export.write import quantized
+
+    ex = make_export(tmp_path / "ckpt", "FluxTransformer2DModel", world_size=2, dtype=torch.float32)
+    whole: list[str] = []
+    real_source = quantized._source
+
+    def read_whole(spec: object, states: object, **kwargs: object) -> torch.Tensor:
+        whole.append(str(kwargs.get("name")))
+        return real_source(spec, states, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(quantized, "_source", read_whole)
+    out = Path(merge_model(ex.config(tmp_path / "pieces", output_format="single_file", quantize="fp8",
+                                     dtype="bfloat16")).output_dir)
+    assert not whole  # no weight was assembled or cast whole
+    reference = Path(merge_model(ex.config(tmp_path / "bf16", output_format="single_file",
+                                           dtype="bfloat16")).output_dir)
+    from safetensors.torch import load_file
+
+    state, bf16 = load_file(out / FILE), load_file(reference / FILE)
+    records = json.loads((out / "merge_manifest.json").read_text())["quantization"]["tensors"]
+    assert any("qkv" in k for k in records) and any("linear1" in k for k in records)  # fused ones too
+    for key in records:  # the bytes of the whole-tensor path: quantize() of the bf16 tensor the plain export writes
+        scale = state[key.removesuffix(".weight") + ".weight_scale"]
+        assert torch.equal(state[key].view(torch.uint8), quantize(bf16[key], scale).view(torch.uint8)), key
+
+    # A scale written wrong (twice amax / 448) is caught by the weight's own pass before anything is published.
+    real_scale = quantized._checked_scale
+    monkeypatch.setattr(quantized, "_checked_scale", lambda *a: real_scale(*a) * 2)  # type: ignore[arg-type]
+    with pytest.raises(CheckpointError, match=r"quantized with scale .*, but its largest value .* gives"):
+        merge_model(ex.config(tmp_path / "wrong", output_format="single_file", quantize="fp8", dtype="bfloat16"))
+    assert not (tmp_path / "wrong").exists()

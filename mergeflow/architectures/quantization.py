@@ -31,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -125,23 +125,35 @@ def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return y.to(torch.float8_e4m3fn)
 
 
-# Elements per block of quantize_measured: its float32 buffers (1 MiB) stay in the core's cache, and its ~20 ops
-# a block cost little Python per element. Measured per 16.8 M-value weight, 2 cores: 32,768: 0.16 s, 65,536:
-# 0.12 s; 16,384 (under torch's grain size, each op on one core): 0.18 s; splitting the blocks over two Python
-# threads was slower at every size (0.14-0.27 s: the GIL, and the two cores are one core's hyperthreads).
-MEASURE_BLOCK = 65536
+# Elements per block of quantize_pieces: its float32 buffers (128 KiB each) stay in the core's cache. The
+# export quantizes on a thread of its own (WeightsAhead, mergeflow/export/write/quantized.py), beside the
+# writer, the hashers and the read-back, so a block is at most torch's grain size (32,768): each op runs as one
+# chunk on the calling thread. Larger blocks spread each op over torch's OpenMP threads, which a second Python
+# thread calling torch gets a team of its own for: measured at real depth, whole fp8 exports of 27.8-30.1 s at
+# 65,536 against 16.1-17.2 s at 32,768 (and 16.0-18.5 s at 16,384; 17.3-20.8 s quantizing on the writer's thread).
+MEASURE_BLOCK = 32768
 
 
 def quantize_measured(source: torch.Tensor, scale: torch.Tensor, name: str) -> tuple[torch.Tensor, dict[str, Any]]:
-    """`quantize(source, scale)` and `error_stats` of it, in one pass over the tensor, block by block.
+    """`quantize(source, scale)` and `error_stats` of it, in one pass over the tensor, block by block."""
+    q, record, _ = quantize_pieces([source], source.dtype, tuple(source.shape), scale, name)
+    return q, record
 
-    Each block is cast to float32, divided and cast to float8 exactly as `quantize` does (the same torch
-    ops on the same values, so the same bytes), dequantized through the 256-entry e4m3 table (`fp8 ->
-    float32` is exact, the table is torch's own cast of every byte), and checked against the bound with
-    the same float32 operations as `error_stats`; the maxima and the source's sha256 accumulate per block.
-    Elementwise float32 results do not depend on the blocking, so the record equals `error_stats`'s.
-    Reused block buffers replace `error_stats`' whole-tensor temporaries (each a fresh allocation the
-    kernel zero-fills page by page): the pass costs a few times the cast instead of tens of times.
+
+def quantize_pieces(pieces: Sequence[torch.Tensor], dtype: torch.dtype, shape: tuple[int, ...], scale: torch.Tensor,
+                    name: str) -> tuple[torch.Tensor, dict[str, Any], float]:
+    """Quantize the tensor whose values, in row-major order, are `pieces`' one after another, each cast
+    to `dtype` (the source dtype: what is measured and hashed); returns (float8 tensor, record, amax).
+
+    Each block is cast to `dtype` (where the piece is wider: the rank pieces of an fp32 checkpoint, so no
+    whole cast copy is made), then to float32, divided and cast to float8 exactly as `quantize` does
+    (the same torch ops on the same values, so the same bytes), dequantized through the 256-entry e4m3
+    table (`fp8 -> float32` is exact, the table is torch's own cast of every byte), and checked against
+    the bound with the same float32 operations as `error_stats`; the maxima and the source's sha256
+    accumulate per block. Elementwise float32 results do not depend on the blocking, so the record equals
+    `error_stats`'s. Reused block buffers replace `error_stats`' whole-tensor temporaries (each a fresh
+    allocation the kernel zero-fills page by page): the pass costs a few times the cast instead of tens
+    of times. The amax returned lets a caller prove that `scale` is this tensor's (`scale_of_amax`).
     """
     import math
 
@@ -149,42 +161,61 @@ def quantize_measured(source: torch.Tensor, scale: torch.Tensor, name: str) -> t
 
     from mergeflow.errors import CheckpointError
 
-    flat = source.contiguous().reshape(-1)
-    out = torch.empty(flat.shape, dtype=torch.float8_e4m3fn)
-    n = flat.numel()
+    flats = [p.contiguous().reshape(-1) for p in pieces]
+    n = sum(f.numel() for f in flats)
+    if n != math.prod(shape):
+        raise CheckpointError(f"{name}: its pieces hold {n} values, its shape {list(shape)} needs {math.prod(shape)}")
+    out = torch.empty(n, dtype=torch.float8_e4m3fn)
     size = max(1, min(MEASURE_BLOCK, n))
     x, y, err, bound = (torch.empty(size, dtype=torch.float32) for _ in range(4))
     exponent, index = torch.empty(size, dtype=torch.int32), torch.empty(size, dtype=torch.int32)
+    in_dtype = torch.empty(size, dtype=dtype) if any(f.dtype != dtype for f in flats) else None
     table = _e4m3_table()
     half_scale = 0.5 * float(scale)
     digest = hashlib.sha256()
     max_abs = amax = 0.0
-    for start in range(0, n, size):
-        m = min(size, n - start)
-        src, xb, yb, eb, bb, ib = flat[start:start + m], x[:m], y[:m], err[:m], bound[:m], index[:m]
-        digest.update(memoryview(src.view(torch.uint8).numpy()))
-        xb.copy_(src)
-        torch.div(xb, scale, out=yb)
-        torch.frexp(yb, out=(bb, exponent[:m]))  # y = x / scale before the clamp, as error_stats takes it
-        q = out[start:start + m]
-        q.copy_(yb.clamp_(-E4M3_MAX, E4M3_MAX))
-        ib.copy_(q.view(torch.uint8))
-        torch.index_select(table, 0, ib, out=eb)
-        eb.mul_(scale).sub_(xb).abs_()
-        # Half an ulp times the scale, 2**(max(e - 1, -6) - 3) * (scale / 2): the power of two built from
-        # its exponent bits (exp2 of those integers is exact, so this is its value), then error_stats' product.
-        ib.copy_(exponent[:m]).sub_(1).clamp_(min=E4M3_MIN_NORMAL_EXP).add_(127 - E4M3_MANTISSA_BITS)
-        torch.mul(ib.bitwise_left_shift_(23).view(torch.float32), half_scale, out=bb)
-        block_amax = float(torch.abs(xb, out=yb).max())
-        if not math.isfinite(block_amax):  # scale_of refuses them first; an inf would pass the bound (inf <= inf)
-            raise CheckpointError(f"{name} holds inf or nan values; refusing to export a broken weight")
-        bb.add_(yb, alpha=FLOAT32_SLACK)
-        if not bool(torch.le(eb, bb).all()):
-            worst = int(torch.argmax(eb - bb))
-            raise _beyond_bound(name, start + worst, float(eb[worst]), float(bb[worst]))
-        max_abs = max(max_abs, float(eb.max()))
-        amax = max(amax, block_amax)
-    return out.reshape(source.shape), _record(float(scale), amax, max_abs, source.dtype, digest.hexdigest())
+    offset = 0
+    for flat in flats:
+        for begin in range(0, flat.numel(), size):
+            m = min(size, flat.numel() - begin)
+            start = offset + begin
+            src, xb, yb, eb, bb, ib = flat[begin:begin + m], x[:m], y[:m], err[:m], bound[:m], index[:m]
+            if src.dtype != dtype:
+                assert in_dtype is not None
+                # An overflow of the narrower dtype is an inf here, refused below with the block's other
+                # non-finite values; the caller reads the tensor again, checked, to name which it was.
+                src = in_dtype[:m].copy_(src)
+            digest.update(memoryview(src.view(torch.uint8).numpy()))
+            xb.copy_(src)
+            torch.div(xb, scale, out=yb)
+            torch.frexp(yb, out=(bb, exponent[:m]))  # y = x / scale before the clamp, as error_stats takes it
+            q = out[start:start + m]
+            q.copy_(yb.clamp_(-E4M3_MAX, E4M3_MAX))
+            ib.copy_(q.view(torch.uint8))
+            torch.index_select(table, 0, ib, out=eb)
+            eb.mul_(scale).sub_(xb).abs_()
+            # Half an ulp times the scale, 2**(max(e - 1, -6) - 3) * (scale / 2): the power of two built from
+            # its exponent bits (exp2 of those integers is exact, so this is its value), then error_stats' product.
+            ib.copy_(exponent[:m]).sub_(1).clamp_(min=E4M3_MIN_NORMAL_EXP).add_(127 - E4M3_MANTISSA_BITS)
+            torch.mul(ib.bitwise_left_shift_(23).view(torch.float32), half_scale, out=bb)
+            block_amax = float(torch.abs(xb, out=yb).max())
+            if not math.isfinite(block_amax):  # scale_of refuses them first; an inf would pass the bound (inf <= inf)
+                raise CheckpointError(f"{name} holds inf or nan values; refusing to export a broken weight")
+            bb.add_(yb, alpha=FLOAT32_SLACK)
+            if not bool(torch.le(eb, bb).all()):
+                worst = int(torch.argmax(eb - bb))
+                raise _beyond_bound(name, start + worst, float(eb[worst]), float(bb[worst]))
+            max_abs = max(max_abs, float(eb.max()))
+            amax = max(amax, block_amax)
+        offset += flat.numel()
+    return out.reshape(shape), _record(float(scale), amax, max_abs, dtype, digest.hexdigest()), amax
+
+
+def scale_of_amax(amax: float) -> torch.Tensor:
+    """`scale_of` of any tensor whose largest absolute value is `amax` (exact in float32: it is one of the values)."""
+    import torch
+
+    return scale_of(torch.tensor([amax], dtype=torch.float32))
 
 
 def _e4m3_table() -> torch.Tensor:

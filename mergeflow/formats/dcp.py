@@ -241,26 +241,36 @@ class DcpChunks:
         self._lock = threading.Lock()
 
     def local(self, chunk: int, key: str) -> torch.Tensor:
+        return self._read(chunk, key, align=True).contiguous()
+
+    def local_in_place(self, chunk: int, key: str) -> torch.Tensor:
+        """The chunk viewing its file's mapping even at an odd offset (bytes only: see PieceSource)."""
+        tensor = self._read(chunk, key, align=False)
+        # Made contiguous by a kernel, a misaligned chunk would be read as its dtype: `local` copies it aligned.
+        return tensor if tensor.is_contiguous() else self.local(chunk, key)
+
+    def _read(self, chunk: int, key: str, *, align: bool) -> torch.Tensor:
         source = self._by_key[key].chunks[chunk]
         path = self.checkpoint.directory / source.file
         if os.path.getsize(path) < source.offset + source.length:
             raise CheckpointError(f"{source.file} is truncated: {key} needs {source.length:,} bytes at {source.offset:,}; "
                                   "copy the checkpoint again")
-        tensor = self._mapped_chunk(source, key)
+        tensor = self._mapped_chunk(source, key, align)
         if tensor is None:
             tensor = _load_chunk(path, source, key)
         if tuple(tensor.shape) != source.sizes:
             raise CheckpointError(f"{source.file}: {key} chunk at {list(source.offsets)} holds {list(tensor.shape)}, "
                                   f"{METADATA} says {list(source.sizes)}")
-        return tensor.contiguous()
+        return tensor
 
-    def _mapped_chunk(self, source: ChunkSource, key: str) -> torch.Tensor | None:
+    def _mapped_chunk(self, source: ChunkSource, key: str, align: bool) -> torch.Tensor | None:
         """The chunk viewing its file's mapping; None where only torch's loader can read it."""
         mapped = self._mapping(source.file)
         if mapped is None:
             return None
         try:
-            return dcp_mapped.read_chunk(mapped, source.offset, source.length, f"{key} (chunk at {list(source.offsets)})")
+            return dcp_mapped.read_chunk(mapped, source.offset, source.length, f"{key} (chunk at {list(source.offsets)})",
+                                         align=align)
         except NotFastReadable:
             return None
 

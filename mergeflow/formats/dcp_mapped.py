@@ -9,7 +9,9 @@ A `.distcp` holds one `torch.save` zip archive per chunk at the byte range `.met
 torch.save aligns a storage to 64 bytes from its archive's start, but a `.distcp` puts archives back to
 back at any byte, so a storage often sits at an odd file offset. torch's kernels load typed data as if
 aligned (a misaligned float tensor can fault or read shifted bytes, pytorch#190043), so such a storage
-is copied once out of the mapping into an aligned tensor: still parsed and bounds-checked here.
+is copied once out of the mapping into an aligned tensor (still parsed and bounds-checked here), unless
+the caller asks for the chunk in place (`align=False`): a streamed tensor's pieces are only written,
+hashed and compared as bytes, which needs no alignment, so they are never copied.
 
 Anything this reader does not know (not a stored zip archive, a big-endian or compressed record, a global
 outside the closed table, damage) raises NotFastReadable: the caller then reads the chunk with torch's
@@ -100,17 +102,18 @@ class _Chunk:
         )
 
 
-def read_chunk(mapped: MappedFile, offset: int, length: int, label: str) -> torch.Tensor:
+def read_chunk(mapped: MappedFile, offset: int, length: int, label: str, *, align: bool = True) -> torch.Tensor:
     """The tensor `torch.save`d at bytes [offset, offset + length) of a mapped `.distcp`, viewing the mapping.
 
     `label` names the chunk in a refusal ("KEY (chunk at [0, 0])"). Raises CheckpointError for a
     storage outside the chunk's bytes, NotFastReadable for anything to leave to torch's loader.
+    align=False views a storage at an odd offset in place instead of copying it: for byte-level use only.
     """
     if offset < 0 or length <= 0 or offset + length > mapped.size:
         raise NotFastReadable("a byte range outside the file")  # the caller's checks name this case
     with memoryview(mapped.buffer) as whole:
         try:
-            tensor = _load(mapped, whole, offset, length, label)
+            tensor = _load(mapped, whole, offset, length, label, align)
         except (NotFastReadable, CheckpointError):
             raise
         except Exception as exc:  # noqa: BLE001  (damage or an odd layout: torch's loader gives the verdict)
@@ -120,7 +123,7 @@ def read_chunk(mapped: MappedFile, offset: int, length: int, label: str) -> torc
     return tensor
 
 
-def _load(mapped: MappedFile, whole: memoryview, offset: int, length: int, label: str) -> Any:
+def _load(mapped: MappedFile, whole: memoryview, offset: int, length: int, label: str, align: bool) -> Any:
     chunk = _Chunk(mapped, whole, offset, length, label)
     byteorder = chunk.records.get(f"{chunk.prefix}byteorder")
     if byteorder is not None and chunk.data(byteorder) != b"little":
@@ -133,7 +136,7 @@ def _load(mapped: MappedFile, whole: memoryview, offset: int, length: int, label
     def storage_of(key: str, dtype: torch.dtype, numel: int) -> torch.UntypedStorage:
         found = storages.get(key)
         if found is None:
-            found = storages[key] = (_storage(chunk, key, dtype, numel), dtype)
+            found = storages[key] = (_storage(chunk, key, dtype, numel, align), dtype)
         elif found[1] != dtype:
             raise NotFastReadable(f"storage {key} is read with two dtypes")
         return found[0]
@@ -141,8 +144,8 @@ def _load(mapped: MappedFile, whole: memoryview, offset: int, length: int, label
     return closed_load(pickled, storage_of)
 
 
-def _storage(chunk: _Chunk, key: str, dtype: torch.dtype, numel: int) -> torch.UntypedStorage:
-    """Storage `key` of the chunk: a view of the mapping, or an aligned copy where torch needs alignment."""
+def _storage(chunk: _Chunk, key: str, dtype: torch.dtype, numel: int, align: bool) -> torch.UntypedStorage:
+    """Storage `key` of the chunk: a view of the mapping, or (align) an aligned copy where torch needs alignment."""
     name = f"{chunk.prefix}data/{key}"
     record = chunk.records.get(name)
     if record is None:
@@ -157,7 +160,7 @@ def _storage(chunk: _Chunk, key: str, dtype: torch.dtype, numel: int) -> torch.U
         view = storage_view(chunk.mapped, chunk.offset + start, nbytes)
     except ValueError:  # the range lies in the file (checked above): kept for a file that shrank meanwhile
         raise chunk.outside(f"storage {name}", start, start + nbytes) from None
-    if chunk.mapped.aligned(chunk.offset + start, dtype):
+    if not align or chunk.mapped.aligned(chunk.offset + start, dtype):
         return view
     # One aligned copy of this storage's bytes (its chunk only): a typed view here would be misaligned.
     return torch.empty(0, dtype=torch.uint8).set_(view).clone().untyped_storage()

@@ -90,6 +90,9 @@ class ExtractedPieces:
         except (OSError, KeyError) as exc:
             raise InputChangedError(f"the extracted factors of {key} vanished from the work directory ({exc})") from None
 
+    def local_in_place(self, rank: int, key: str) -> torch.Tensor:
+        return self.local(rank, key) if key in self.files else self.checkpoint.local_in_place(rank, key)
+
 
 _EMBEDDING_TABLES = frozenset({"embedding", "embeddings", "embed_tokens", "token_embedding", "position_embedding",
                                "wte", "wpe"})

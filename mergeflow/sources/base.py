@@ -36,6 +36,15 @@ class PieceSource(Protocol):
 
     def local(self, rank: int, key: str) -> torch.Tensor: ...
 
+    def local_in_place(self, rank: int, key: str) -> torch.Tensor:
+        """Piece r of `key` for byte-level use only: written, hashed, compared with memcmp, scanned by numpy.
+
+        It may view memory torch's kernels must not read as its dtype (a DCP chunk at an odd file offset,
+        which `local` copies into an aligned tensor): a streamed tensor's pieces are only ever bytes, so
+        they are read in place, and private memory does not grow with the largest tensor.
+        """
+        ...
+
 
 class Indexing(Enum):
     """How the merge flow finds every tensor's layout (its task runs, their names and caching, follow from it)."""

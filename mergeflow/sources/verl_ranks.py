@@ -52,6 +52,9 @@ class RankStates:
         except KeyError:
             raise CheckpointError(f"rank file {self.paths[rank].name} no longer holds {key}; was it rewritten?") from None
 
+    def local_in_place(self, rank: int, key: str) -> torch.Tensor:
+        return self.local(rank, key)  # a rank file's storages are aligned (torch.save aligns them in the file)
+
 
 def index_rank_file(actor_dir: Path, file_name: str, rank: int, *, trust_checkpoint: bool = False) -> RankIndex:
     """Load one rank file safely and describe every tensor (reads the pickle's metadata, not the data)."""

@@ -107,20 +107,27 @@ def cast(tensor: torch.Tensor, dtype: str, what: str) -> torch.Tensor:
     return out
 
 
-def primary_chunks(layout: TensorLayout, states: PieceSource) -> list[torch.Tensor]:
-    """The local tensor of every chunk as read from its first rank (no checks)."""
-    return [states.local(ranks[0], layout.key) for ranks in layout.chunk_ranks]
+def primary_chunks(layout: TensorLayout, states: PieceSource, *, in_place: bool = False) -> list[torch.Tensor]:
+    """The local tensor of every chunk as read from its first rank (no checks).
+
+    in_place: for byte-level use only (PieceSource.local_in_place), never read by a torch kernel as its dtype.
+    """
+    local = states.local_in_place if in_place else states.local
+    return [local(ranks[0], layout.key) for ranks in layout.chunk_ranks]
 
 
-def verified_chunks(layout: TensorLayout, states: PieceSource, *, check_values: bool = True) -> list[torch.Tensor]:
+def verified_chunks(layout: TensorLayout, states: PieceSource, *, check_values: bool = True,
+                    in_place: bool = False) -> list[torch.Tensor]:
     """The primary local tensor of every chunk, after checking replicas, dtype and finiteness.
 
     check_values=False leaves the finiteness scan to the caller, which for streamed tensors
-    folds it into the read-back pass so the bytes are scanned once.
+    folds it into the read-back pass so the bytes are scanned once. in_place: as `primary_chunks`
+    (replicas are then compared byte for byte).
     """
+    local = states.local_in_place if in_place else states.local
     chunks = []
     for chunk_index, ranks in enumerate(layout.chunk_ranks):
-        primary = states.local(ranks[0], layout.key)
+        primary = local(ranks[0], layout.key)
         if tuple(primary.shape) != layout.chunk_shapes[chunk_index]:
             raise CheckpointError(f"{layout.key}: rank {ranks[0]} shard changed shape since it was indexed")
         if str(primary.dtype).removeprefix("torch.") != layout.dtype:
@@ -128,13 +135,21 @@ def verified_chunks(layout: TensorLayout, states: PieceSource, *, check_values: 
         if check_values:
             check_finite(primary, f"{layout.key} (rank {ranks[0]})")
         for replica in ranks[1:]:
-            other = states.local(replica, layout.key)
-            if other.shape != primary.shape or other.dtype != primary.dtype or not torch.equal(bits(other), bits(primary)):
+            other = local(replica, layout.key)
+            if other.shape != primary.shape or other.dtype != primary.dtype or not _same_values(other, primary, in_place):
                 raise CheckpointError(
                     f"{layout.key}: rank {replica} and rank {ranks[0]} should hold identical replicas but differ"
                 )
         chunks.append(primary)
     return chunks
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor, in_place: bool) -> bool:
+    # Pieces read in place may sit at odd addresses: compared as bytes (memcmp), never by a typed kernel.
+    # (A piece read in place is contiguous; a strided one came from an aligned source.)
+    if in_place and a.is_contiguous() and b.is_contiguous():
+        return same_bytes(a, b)
+    return torch.equal(bits(a), bits(b))
 
 
 def in_rank_order(layout: TensorLayout) -> bool:

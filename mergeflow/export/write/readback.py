@@ -115,7 +115,9 @@ def compare_tensor(handle: Any, buffer: bytearray, offset: int, tw: TensorWrite,
     handle.seek(offset)
     # Each chunk is read from its first rank: messages name that rank (not a position among chunks).
     ranks = [chunk_ranks[0] for chunk_ranks in tw.layout.chunk_ranks]
-    for rank, local in ((r, c) for r, c in zip(ranks, primary_chunks(tw.layout, states), strict=True) if c.numel()):
+    # Bytes only (memcmp, numpy's finiteness scan): the pieces are read in place, at any alignment.
+    pieces = primary_chunks(tw.layout, states, in_place=True)
+    for rank, local in ((r, c) for r, c in zip(ranks, pieces, strict=True) if c.numel()):
         flat = local.reshape(-1).view(torch.uint8)
         for start in range(0, flat.numel(), BLOCK):
             n = min(BLOCK, flat.numel() - start)

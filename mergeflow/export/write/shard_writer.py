@@ -27,6 +27,7 @@ from mergeflow.export.reconstruct.rebuild import (
     verify_round_trip,
 )
 from mergeflow.export.write.quantized import (
+    WeightsAhead,
     is_quantized_scale,
     is_quantized_weight,
     quantized_scale,
@@ -304,7 +305,9 @@ def data_section_sha256(ordered: list[TensorWrite], entries: dict[str, HeaderEnt
         for part in streamed_parts(tw) or [tw]:
             pieces: Iterable[torch.Tensor] = (
                 [transformed_tensor(part, states)] if part.transform is not None
-                else global_pieces(part.layout, primary_chunks(part.layout, states), part.out_dtype, part.name))
+                else global_pieces(part.layout, primary_chunks(part.layout, states,
+                                                              in_place=is_streamed(part.layout, part.out_dtype)),
+                                   part.out_dtype, part.name))
             for piece in pieces:
                 if cancel.is_set():
                     raise CheckpointError("hashing ahead was stopped: the write failed")
@@ -344,6 +347,7 @@ def _stream_shard(fd: int, header: bytes, entries: dict[str, HeaderEntry], order
             view = view[os.write(fd, view) :]
     writer = HashingWriter(fd, flush=flush, start=0 if hash_header else len(header), hashing=hashing, follower=follower,
                            ranges=ranges)
+    ahead = WeightsAhead(ordered, states, quantized_weight)
     try:
         if hash_header:
             writer.write(memoryview(header))
@@ -354,18 +358,19 @@ def _stream_shard(fd: int, header: bytes, entries: dict[str, HeaderEntry], order
             # A fused tensor whose bytes are its sources' one after another is written (and read back)
             # source by source, like plain tensors at their offsets: never built whole in memory.
             for part in streamed_parts(tw) or [tw]:
-                written += _write_tensor(writer, part, states, follow, begin + written)
+                written += _write_tensor(writer, part, states, follow, begin + written, ahead)
             if written != entries[tw.name].end - begin:
                 raise CheckpointError(f"{tw.name}: wrote {written} bytes, expected {entries[tw.name].end - begin}")
             if session is not None:
                 session.writes.report(written, 1)
         return writer.hexdigest() if hashing else None
     finally:
+        ahead.close()
         writer.close()
 
 
 def _write_tensor(writer: HashingWriter, tw: TensorWrite, states: PieceSource, follow: FollowingReadBack,
-                  begin: int) -> int:
+                  begin: int, ahead: WeightsAhead) -> int:
     """Write one tensor's bytes (at `begin` of the data section) and queue its read-back; returns the bytes written."""
     # A transform (LoRA fusion) computes the tensor from its sources; otherwise stream the rank pieces.
     streamed = tw.transform is None and is_streamed(tw.layout, tw.out_dtype)
@@ -374,7 +379,7 @@ def _write_tensor(writer: HashingWriter, tw: TensorWrite, states: PieceSource, f
     if quantized:
         # Quantized once from verified sources and proven within its bound (quantized.py): the read-back
         # below compares the file with this tensor instead of quantizing it again after writing.
-        pieces: Iterable[torch.Tensor] = [quantized_weight(tw, states)]
+        pieces: Iterable[torch.Tensor] = [ahead.take(tw)]
     elif is_quantized_scale(tw):  # a scalar, from the source pieces' min and max; compared with the weight's after writing
         pieces = [quantized_scale(tw, states)]
     elif tw.transform is not None:
@@ -382,7 +387,8 @@ def _write_tensor(writer: HashingWriter, tw: TensorWrite, states: PieceSource, f
     else:
         # Finiteness: folded into the read-back for streamed tensors, proven by the cast's
         # own output check for cast ones (a cast keeps inf/nan); scanned here otherwise.
-        chunks = verified_chunks(tw.layout, states, check_values=not (streamed or cast_pieces))
+        # A streamed tensor's pieces are only bytes here and in the read-back: read in place, never copied.
+        chunks = verified_chunks(tw.layout, states, check_values=not (streamed or cast_pieces), in_place=streamed)
         pieces = global_pieces(tw.layout, chunks, tw.out_dtype, tw.name)
         if cast_pieces:
             pieces = list(pieces)  # kept until the read-back has compared them with the file
