@@ -4,8 +4,9 @@ The GGUF check (`gguf_quant.scan_stored`: `test`'s and the staged check's gguf-p
 tensor) works segment by segment; the segments are independent, only the digests they feed must see the
 bytes in file order. `ordered_map` computes segments on worker threads (numpy, torch and hashlib release
 the GIL for the work itself) and hands the results back in order, at most a window ahead, so memory stays
-a few segments deep. The quantizers do not use it: their many small ops per segment hold the GIL for too
-long, and two threads of them were slower than one on two hyperthreads (see `q8_0_encode`).
+a few segments deep. The GGUF writer builds and encodes its next tensors with it too
+(`gguf_writer.encoded_ahead`), its window counted in values (`cost`, `budget`) since its tensors' sizes
+differ by thousands of times.
 """
 
 from __future__ import annotations
@@ -32,8 +33,13 @@ def worker_count() -> int:
 
 
 def ordered_map(compute: Callable[[T], R], items: Iterable[T], workers: int | None = None,
-                ahead: int = 2) -> Iterator[R]:
+                ahead: int = 2, cost: Callable[[T], int] | None = None, budget: int = 0) -> Iterator[R]:
     """`map(compute, items)`, computed on `workers` threads, `ahead` items per worker at most in flight.
+
+    With `cost`, the window is `budget` of cost instead (items in flight, computed or not, whose costs sum
+    to less than `budget`, plus the one that reaches it): items of very different sizes, each small one
+    counted as one item, would leave workers idle behind a large one; counted by cost, the window holds
+    as much work (and memory) as `budget` says whatever the mix.
 
     An exception is raised where its item's result would have been yielded (the earlier results are
     yielded first, so the error reported is the first in order, as a sequential loop reports it). When
@@ -44,16 +50,25 @@ def ordered_map(compute: Callable[[T], R], items: Iterable[T], workers: int | No
     if workers <= 1 or (isinstance(items, Sized) and len(items) <= 1):  # no thread to start for one item
         yield from map(compute, items)
         return
-    pending: deque[Future[R]] = deque()
+    pending: deque[tuple[Future[R], int]] = deque()
+    in_flight = 0
+
+    def full() -> bool:
+        return in_flight >= budget if cost is not None else len(pending) >= workers * ahead
+
     source = iter(items)
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="segments") as pool:
         try:
             for item in source:
-                pending.append(pool.submit(compute, item))
-                if len(pending) >= workers * ahead:
-                    yield pending.popleft().result()
+                weight = cost(item) if cost is not None else 1
+                pending.append((pool.submit(compute, item), weight))
+                in_flight += weight
+                while pending and full():
+                    future, weight = pending.popleft()
+                    in_flight -= weight
+                    yield future.result()
             while pending:
-                yield pending.popleft().result()
+                yield pending.popleft()[0].result()
         finally:
-            for future in pending:
+            for future, _ in pending:
                 future.cancel()

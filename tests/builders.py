@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.tensor  # noqa: F401
@@ -60,6 +61,31 @@ def make_export(
         mesh_shape=mesh_shape, plain=plain, fsdp_version=fsdp_version,
     )
     return Export(root, actor_dir, base_dir, actor, class_name)
+
+
+def gguf_py_q8_0(values: object) -> np.ndarray:
+    """ggml's Q8_0 of a float32 array by gguf-py (`gguf.quants.quantize`, bit for bit ggml's reference): the
+    bytes the writer's own quantizer (`q8_0_quantize_run`) is held to."""
+    import gguf
+
+    return gguf.quants.quantize(np.ascontiguousarray(values, dtype=np.float32), gguf.GGMLQuantizationType.Q8_0)
+
+
+def float64_q8_0_errors(source: torch.Tensor, stored: np.ndarray, dequantized: torch.Tensor) -> dict[str, float]:
+    """The Q8_0 errors the writer records, computed plainly in float64 over the whole tensor: the max abs
+    error, the max error relative to each block's max |x| (0 for an all-zero block) and the max ratio of a
+    block's error to its bound (inf where a scale overflowed float16). The reference `q8_0_encode`'s
+    float32 errors, refined where a maximum could be, are held to."""
+    from mergeflow.formats.gguf_quant import Q8_0_BLOCK, q8_0_bounds, q8_0_scales
+
+    x = source.to(torch.float64).reshape(-1, Q8_0_BLOCK)
+    err = torch.nan_to_num((x - dequantized.to(torch.float64).reshape(-1, Q8_0_BLOCK)).abs().amax(dim=1),
+                           nan=torch.inf)
+    amax = x.abs().amax(dim=1)
+    bounds = torch.from_numpy(q8_0_bounds(q8_0_scales(np.asarray(stored))))
+    rel = torch.where(amax > 0, err / torch.where(amax > 0, amax, 1.0), 0.0)
+    ratio = torch.nan_to_num(err / bounds, nan=torch.inf)
+    return {"max_abs_error": float(err.max()), "max_rel_error": float(rel.max()), "bound_ratio": float(ratio.max())}
 
 
 def output_state(path: Path) -> dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from builders import Export, tree_digest
+from builders import Export, float64_q8_0_errors, gguf_py_q8_0, tree_digest
 
 from mergeflow import merge_model, validate_artifact
 from mergeflow.architectures.gguf_layout import STRIPPED_PREFIX
@@ -257,7 +257,7 @@ def test_gguf_needs_one_of_its_encodings(tmp_path: Path, prefect_api: object, qu
 def test_the_q8_0_bound_holds_where_rounding_is_hardest() -> None:
     # Blocks gguf-py's Q8_0 finds hardest: ties (x/d at k + 1/2), scales that round up or down in float16, scales
     # below the float16 normal range (subnormal, and flushed to 0), all-zero blocks, a block with one large value.
-    from mergeflow.formats.gguf_quant import q8_0_dequantize, q8_0_errors, q8_0_quantize
+    from mergeflow.formats.gguf_quant import q8_0_dequantize, q8_0_encode
 
     gen = torch.Generator().manual_seed(0)
     rows = [torch.randn(64, 32, generator=gen) * scale for scale in (1e-9, 3e-7, 6.1e-5, 1e-3, 1.0, 300.0)]
@@ -265,11 +265,15 @@ def test_the_q8_0_bound_holds_where_rounding_is_hardest() -> None:
     rows += [ties.reshape(1, 32) * s for s in (1.0, 2.0**-20, 2.0**-30, 1 + 2**-11, 1 - 2**-12)]
     rows += [torch.zeros(1, 32), torch.tensor([[1000.0] + [1e-3] * 31])]
     values = torch.cat([r.reshape(-1, 32) for r in rows]).to(torch.bfloat16).to(torch.float32).numpy()
-    stored = q8_0_quantize(values)
+    stored = gguf_py_q8_0(values)
+    # The writer's torch quantizer makes gguf-py's bytes on exactly these blocks.
+    encoded = q8_0_encode(torch.from_numpy(values), values.shape)
+    assert np.array_equal(encoded.stored, stored)
     ours = q8_0_dequantize(torch.from_numpy(stored))
     theirs = gguf.quants.dequantize(stored, gguf.GGMLQuantizationType.Q8_0)
     assert np.array_equal(ours.numpy().view(np.uint32), theirs.view(np.uint32))  # torch's dequantize is gguf-py's
-    errors = q8_0_errors(torch.from_numpy(values), torch.from_numpy(stored), ours)
+    errors = float64_q8_0_errors(torch.from_numpy(values), stored, ours)
+    assert encoded.errors == errors  # the writer's float32 errors, refined, are float64's
     assert 0 < errors["bound_ratio"] <= 1.0, errors
     # The bound is tight: half a step dominates, so the worst block uses most of it.
     assert errors["bound_ratio"] > 0.9, errors

@@ -41,6 +41,36 @@ def test_work_runs_on_several_threads_at_most_a_window_ahead() -> None:
     assert most[0] <= 2
 
 
+def test_a_cost_window_keeps_every_worker_on_large_items_between_small_ones() -> None:
+    # A GGUF file alternates a large weight with its small bias: counted as items, a window of two holds
+    # one weight and one bias and leaves a worker idle; counted by cost, two weights run at once.
+    sizes = [10 if i % 2 == 0 else 1 for i in range(16)]
+    running, most, started = [0], [0], [0]
+    lock = threading.Lock()
+
+    def work(i: int) -> int:
+        with lock:
+            started[0] += sizes[i] == 10
+            running[0] += sizes[i] == 10
+            most[0] = max(most[0], running[0])
+        time.sleep(0.03 if sizes[i] == 10 else 0.0)
+        with lock:
+            running[0] -= sizes[i] == 10
+        return i
+
+    taken, ahead_of_taker = [], []
+    for value in ordered_map(work, range(16), workers=2, cost=sizes.__getitem__, budget=20):
+        taken.append(value)
+        with lock:
+            ahead_of_taker.append(started[0] - sum(sizes[i] == 10 for i in taken))
+    assert taken == list(range(16))
+    assert most[0] == 2
+    assert max(ahead_of_taker) <= 2  # the budget: two large items beyond the one taken, whatever the mix
+    running[0] = most[0] = 0
+    counted = list(ordered_map(work, range(16), workers=2, ahead=1))  # counted as items: one large at a time
+    assert counted == list(range(16)) and most[0] == 1
+
+
 def test_the_first_error_in_order_is_raised_after_the_results_before_it() -> None:
     def work(i: int) -> int:
         if i in (7, 3):

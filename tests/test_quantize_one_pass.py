@@ -1,12 +1,12 @@
 """The one-pass quantize-and-measure of the FP8 and GGUF Q8_0 exports, and the read-back of the FP8 weights.
 
 FP8 (`quantize_measured`): the export quantizes each weight once, in blocks, measuring its errors in the same
-pass, and the writer's read-back compares the file with that tensor. Q8_0 (`q8_0_encode`): gguf-py quantizes
-runs of blocks, each measured and hashed as it is made. Here: on a real model's weights and on odd sizes and
-edge values, the one pass gives exactly the bytes and exactly the records (every number, every digest) of
-the straightforward whole-tensor computations the manifests were made with before; it refuses what was
-refused before (inf, nan, a dequantized value off its bound); and a write that puts other bytes in the file
-than the ones measured fails the export.
+pass, and the writer's read-back compares the file with that tensor. Q8_0 (`q8_0_encode`): torch quantizes
+runs of blocks as gguf-py does, bit for bit, each run measured and hashed as it is made. Here: on a real
+model's weights and on odd sizes and edge values, the one pass gives exactly the bytes and exactly the
+records (every number, every digest) of the straightforward whole-tensor computations the manifests were
+made with before; it refuses what was refused before (inf, nan, a dequantized value off its bound); and a
+write that puts other bytes in the file than the ones measured fails the export.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from builders import make_export
+from builders import float64_q8_0_errors, gguf_py_q8_0, make_export
 from test_single_file import FILE
 
 from mergeflow import merge_model
@@ -160,31 +160,26 @@ def test_a_write_of_other_bytes_than_the_measured_weight_fails_the_export(tmp_pa
 def _whole_tensor_q8_0(tensor: torch.Tensor, stored_shape: tuple[int, ...]) -> tuple[np.ndarray, dict[str, object]]:
     """The figures as the writer computed them before: gguf-py on the whole tensor, then each figure in turn."""
     from mergeflow.export.write.gguf_writer import tensor_bytes_sha256
-    from mergeflow.formats.gguf_quant import (
-        q8_0_dequantize,
-        q8_0_errors,
-        q8_0_quantize,
-        stored_figures,
-    )
+    from mergeflow.formats.gguf_quant import q8_0_dequantize, stored_figures
 
     values = tensor.to(torch.float32).reshape(stored_shape)
-    stored = torch.from_numpy(q8_0_quantize(values.numpy()))
+    stored = torch.from_numpy(gguf_py_q8_0(values.numpy()))
     dequantized = q8_0_dequantize(stored)
     record = {"source_sha256": tensor_bytes_sha256(tensor),
               **stored_figures(stored.numpy(), "Q8_0", dequantized.numpy()).to_json(),
-              **q8_0_errors(values, stored, dequantized)}
+              **float64_q8_0_errors(values, stored.numpy(), dequantized)}
     return stored.numpy(), record
 
 
 def test_q8_0_one_pass_gives_the_bytes_and_figures_of_the_whole_tensor_computation() -> None:
-    from mergeflow.formats.gguf_quant import Q8_0_RUN, Q8_0_SEGMENT_RUNS, q8_0_encode
+    from mergeflow.formats.gguf_quant import Q8_0_RUN, q8_0_encode
 
     g = torch.Generator().manual_seed(6)
     odd = torch.randn(3, Q8_0_RUN + 5 * 32, generator=g) * 0.02  # runs that end mid-row, a short last run
     odd[1, :64] = 0  # all-zero blocks
     odd[2, 32] = 1000.0  # one large value in a block
-    several = torch.randn(5, Q8_0_RUN * Q8_0_SEGMENT_RUNS // 2 + 7 * 32, generator=g) * 0.02  # 3 segments, mid-row
-    cases = [*_flux_weights(), ("odd", odd), ("several_segments", several),
+    several = torch.randn(5, Q8_0_RUN * 3 // 2 + 7 * 32, generator=g) * 0.02  # runs across rows, mid-row
+    cases = [*_flux_weights(), ("odd", odd), ("several_runs", several),
              ("tiny_scales", torch.randn(4, 96, generator=g) * 1e-9),
              ("overflow", torch.full((2, 64), 1e7))]  # a float16 scale that overflows: bound_ratio inf, as before
     checked = 0
@@ -200,16 +195,46 @@ def test_q8_0_one_pass_gives_the_bytes_and_figures_of_the_whole_tensor_computati
     assert checked > 20
 
 
+def test_the_torch_q8_0_makes_gguf_py_s_bytes_and_float64_s_errors_on_edge_values() -> None:
+    """`q8_0_quantize_run` against `gguf.quants.quantize` on float32 values (a float32 source keeps every bit
+    the quantizer sees): ties of both signs at several scales, float32 subnormals, scales below float16's
+    normal range and flushed to 0, scales that overflow float16, all-zero blocks, -0.0, one large value; and
+    the errors recorded of them against float64's."""
+    from mergeflow.formats.gguf_quant import Q8_0_RUN, q8_0_dequantize, q8_0_encode
+
+    g = torch.Generator().manual_seed(11)
+    ties = torch.arange(-16, 16, dtype=torch.float32) + 0.5  # halves, scaled so that x / d lands on k + 1/2 or near it
+    rows = [torch.randn(256, 32, generator=g) * s for s in (1e-30, 1e-9, 3e-7, 6.1e-5, 0.02, 1.0, 300.0, 1e6)]
+    rows += [ties.reshape(1, 32) * s for s in (1.0, -1.0, 2.0**-20, 2.0**-30, 1 + 2**-11, 1 - 2**-12, 1e5)]
+    rows += [torch.tensor([[127.0, 0.5, -0.5, 1.5, -1.5, 2.5, -2.5] + [63.5, -63.5] * 11 + [0.0, -0.0, 126.5]])]
+    rows += [torch.full((1, 32), 1.4e-45), torch.tensor([[2.0**-126] * 16 + [-(2.0**-140)] * 16])]
+    rows += [torch.zeros(2, 32), torch.full((1, 32), -0.0), torch.tensor([[1000.0] + [1e-3] * 31])]
+    rows += [torch.full((1, 32), 65504.0 * 127 * 1.5), torch.full((1, 32), -65504.0 * 127)]  # f16 scale overflows
+    rows += [torch.randn(3, Q8_0_RUN + 64, generator=g)]  # several runs, mid-row
+    # A block whose float32 error is inexact: x = 1 - 2^-24 is q = 1 of d = 2 - 2^-13 (x / d just above 1/2),
+    # d_h = f16(d) rounds up to 2, and x - 2 = -(1 + 2^-24) needs 25 bits; here it is each figure's maximum.
+    inexact = torch.randn(4, 1024, generator=g) * 0.02
+    inexact[2, 64:96] = torch.tensor([127 * (2 - 2.0**-13), 1 - 2.0**-24] + [0.0] * 30)
+    assert float((inexact[2, 65] - 2.0).abs()) != 1 + 2.0**-24  # float32 alone is short of the exact error
+    rows += [inexact]
+    for values in rows:
+        encoded = q8_0_encode(values, tuple(values.shape))
+        stored = gguf_py_q8_0(values.numpy())
+        assert np.array_equal(encoded.stored, stored), values.reshape(-1)[:4]
+        assert encoded.errors == float64_q8_0_errors(values, stored, q8_0_dequantize(torch.from_numpy(stored)))
+    assert encoded.errors["max_abs_error"] == 1 + 2.0**-24
+
+
 @pytest.mark.parametrize("kind", ["Q8_0", "BF16", "F32"])
 def test_scanning_a_stored_tensor_in_segments_gives_the_whole_tensor_figures(kind: str) -> None:
     """What `test` computes of a GGUF tensor, in segments on the cores, against gguf-py on the whole tensor."""
-    from mergeflow.formats.gguf_quant import SCAN_VALUES, dequantize, q8_0_quantize, scan_stored, stored_figures
+    from mergeflow.formats.gguf_quant import SCAN_VALUES, dequantize, scan_stored, stored_figures
 
     g = torch.Generator().manual_seed(9)
     values = (torch.randn(7, (SCAN_VALUES // 96 + 1) * 32, generator=g) * 0.03).to(torch.bfloat16)  # 3 segments, mid-row
     values[3, :64] = 0
     if kind == "Q8_0":
-        stored, back_to = q8_0_quantize(values.float().numpy()), None
+        stored, back_to = gguf_py_q8_0(values.float().numpy()), None
     elif kind == "BF16":
         stored, back_to = values.view(torch.uint8).numpy(), torch.bfloat16
     else:

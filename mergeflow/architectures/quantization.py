@@ -126,7 +126,7 @@ def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 # Elements per block of quantize_pieces: its float32 buffers (128 KiB each) stay in the core's cache. The
-# export quantizes on a thread of its own (WeightsAhead, mergeflow/export/write/quantized.py), beside the
+# export quantizes on threads of their own (WeightsAhead, mergeflow/export/write/quantized.py), beside the
 # writer, the hashers and the read-back, so a block is at most torch's grain size (32,768): each op runs as one
 # chunk on the calling thread. Larger blocks spread each op over torch's OpenMP threads, which a second Python
 # thread calling torch gets a team of its own for: measured at real depth, whole fp8 exports of 27.8-30.1 s at
