@@ -18,6 +18,7 @@ from prefect.artifacts import (
 from mergeflow.export.progress import human_bytes
 from mergeflow.flows.run_names import export_label
 from mergeflow.formats.manifest import MANIFEST_NAME, Manifest
+from mergeflow.formats.quantization_summary import quantization_summary
 from mergeflow.lora.artifact import ADAPTER_DIR
 from mergeflow.records import MergePlan
 from mergeflow.sources.registry import source_named
@@ -174,25 +175,14 @@ def card_rows(record: Mapping[str, Any] | None) -> list[str]:
 
 
 def quantization_rows(record: Mapping[str, Any] | None) -> list[str]:
-    """A quantized file's rows: how, how many tensors, and the worst dequantization error (from the manifest).
-
-    FP8 and GGUF records share the shape; a GGUF record also lists the tensors it keeps exact (F32, BF16),
-    which carry no error figures.
-    """
-    if not record:
+    """A quantized file's rows: how, how many tensors, and the worst dequantization error (from the manifest)."""
+    summary = quantization_summary(record)
+    if summary is None:
         return []
-    tensors: Mapping[str, Mapping[str, Any]] = record.get("tensors") or {}
-    measured = {k: v for k, v in tensors.items() if "max_rel_error" in v and "max_abs_error" in v}
-    kept = len(record.get("excluded") or []) + len(record.get("kept_f32") or [])
-    how = f"{record.get('method')}: {len(measured)} tensors quantized, {kept} kept unquantized"
-    rows = [f"| quantized | {how} |"]
-    if measured:
-        worst = max(measured, key=lambda k: float(measured[k]["max_rel_error"]))
-        entry = measured[worst]
-        bound = ("each weight within half an e4m3 ulp times its scale" if record.get("format") == "float8_e4m3fn"
-                 else "each block within its scale's bound")
-        rows.append(f"| worst dequantization error | {float(entry['max_abs_error']):.3g} abs, "
-                    f"{float(entry['max_rel_error']):.3g} relative (`{worst}`); {bound} |")
+    rows = [f"| quantized | {summary.how()} |"]
+    worst = summary.worst_text()
+    if worst is not None:
+        rows.append(f"| worst dequantization error | {worst}; {summary.bound} |")
     return rows
 
 

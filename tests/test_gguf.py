@@ -32,6 +32,7 @@ from mergeflow.demo.checkpoints import (
 from mergeflow.demo.tiny_transformers import run_tiny_forward
 from mergeflow.errors import ArtifactInvalidError, UsageError
 from mergeflow.formats.gguf_quant import q8_0_bounds, q8_0_scales
+from mergeflow.formats.quantization_summary import quantization_summary
 
 FILE = "transformer.gguf"
 ARCH = {"FluxTransformer2DModel": "flux", "SD3Transformer2DModel": "sd3", "WanTransformer3DModel": "wan",
@@ -133,6 +134,17 @@ def test_the_dequantized_file_loads_and_forwards_within_tolerance(tmp_path: Path
             assert types[name] == "F32", name  # convert.py: 1-D and small tensors stay F32
     main = "Q8_0" if method == "q8_0" else "BF16"
     assert sum(v == main for v in types.values()) >= 4, types  # the blocks' linear weights are really encoded
+    # The model card says how, with what bound and (Q8_0) with what worst error, as the manifest records.
+    card = (out / "README.md").read_text()
+    summary = quantization_summary(q)
+    assert summary is not None and summary.quantized == sum(v == main for v in types.values())
+    assert f"Quantized ({summary.how()})" in card and summary.bound in card
+    if method == "q8_0":
+        assert summary.worst is not None
+        worst = q["tensors"][summary.worst.tensor]
+        assert f"Worst dequantization error against the source: {worst['max_abs_error']:.3g} abs" in card
+    else:
+        assert summary.worst is None and "Worst dequantization error" not in card
 
     trained = {k: v.detach() for k, v in ex.actor.state_dict().items()}
     if method == "q8_0":

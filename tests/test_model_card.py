@@ -19,6 +19,7 @@ from huggingface_hub import ModelCard, ModelCardData
 from mergeflow import merge_model
 from mergeflow.errors import ArtifactInvalidError, UsageError
 from mergeflow.export.check.artifact_check import check_artifact
+from mergeflow.formats.quantization_summary import quantization_summary
 from mergeflow.hub.model_card import base_model_id, tensors_sha256
 
 BASE_ID = "tiny-org/tiny-flux"
@@ -52,6 +53,7 @@ def _no_local_paths(root: Path, *paths: Path) -> None:
     ("single_file", "none", "finetune", "FluxTransformer2DModel.from_single_file("),
     ("single_file", "fp8", "quantized", "ComfyUI's scaled float8"),
     ("gguf", "q8_0", "quantized", "GGUFQuantizationConfig"),
+    ("gguf", "bf16", "quantized", "GGUFQuantizationConfig"),
 ])
 def test_every_model_output_has_a_card_the_hub_can_read(flux: Any, tmp_path: Path, prefect_api: Any, output_format: str,
                                                         quantize: str, relation: str, snippet: str) -> None:
@@ -66,6 +68,18 @@ def test_every_model_output_has_a_card_the_hub_can_read(flux: Any, tmp_path: Pat
     assert "mergeflow" in card.data.tags and "FluxTransformer2DModel" in card.data.tags
     assert "run `ckpt`, step 1" in card.text and "world size 2" in card.text and snippet in card.text
     assert "Runtime check: not_run" in card.text and manifest["verification"]["runtime"] == "not_run"
+    summary = quantization_summary(manifest.get("quantization"))
+    if quantize == "none":
+        assert summary is None and "read back bit-exact before publication" in card.text
+    else:  # how, with what bound and with what error, as the manifest records them (GGUF: tests/test_gguf.py,
+        # on models wide enough for Q8_0 blocks; this tiny one keeps every GGUF tensor F32)
+        assert summary is not None
+        assert "read back bit-exact before publication" not in card.text
+        assert f"Quantized ({summary.how()})" in card.text and summary.bound in card.text
+        if quantize == "fp8":
+            assert summary.worst is not None and summary.quantized > 0
+            worst = manifest["quantization"]["tensors"][summary.worst.tensor]
+            assert f"{worst['max_abs_error']:.3g} abs, {worst['max_rel_error']:.3g} relative" in card.text
     _no_local_paths(out, tmp_path)
     assert check_artifact(str(out))["integrity"] == "passed"
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from mergeflow.errors import ArtifactInvalidError, UsageError
 from mergeflow.formats.manifest import Manifest
+from mergeflow.formats.quantization_summary import quantization_summary
 from mergeflow.outputs.card_formats import (
     CardFacts,
     format_name,
@@ -110,10 +111,18 @@ def card_data(manifest: Manifest, facts: CardFacts) -> Any:
 
 def _proven(manifest: Manifest, runtime: Mapping[str, Any] | None) -> str:
     layers = ", ".join(f"{k}: {v}" for k, v in manifest.verification.items() if k != "runtime")
-    lines = [
-        "- Every tensor was reconstructed from the rank files and read back bit-exact before publication.",
-        f"- Validation layers: {layers}.",
-    ]
+    summary = quantization_summary(manifest.quantization)
+    if summary is None:
+        lines = ["- Every tensor was reconstructed from the rank files and read back bit-exact before publication."]
+    else:  # quantized values are bounded, not equal to the source: say how, and by how much
+        lines = [("- Every tensor was reconstructed from the rank files bit-exact, then encoded and read back before "
+                  "publication."),
+                 f"- Quantized ({summary.how()}); every stored value is held to its bound: {summary.bound}."]
+        worst = summary.worst_text()
+        if worst is not None:
+            lines.append(f"- Worst dequantization error against the source: {worst}. Each tensor's figures "
+                         "and source sha256 are in the manifest's `quantization` record.")
+    lines.append(f"- Validation layers: {layers}.")
     status = manifest.verification.get("runtime", "not_run")
     if runtime and status == "passed":
         stats = runtime.get("output", {})
