@@ -26,10 +26,13 @@ class Preset:
 
 PRESETS = {
     # FLUX.1's depth (19 double + 38 single blocks, 1,160 state-dict entries) at 8 heads of 128
-    # instead of 24: the tensor count and rank count of the real model, 5.3 GB of float32.
+    # instead of 24: the tensor count and rank count of the real model, 5.3 GB of float32. Its input
+    # and output widths are FLUX.1's (64 latent channels in and out, 4096 text, 768 pooled), so every
+    # layer takes a LoRA extraction of rank 32 (the tiny model's 2- to 7-wide ones are refused above 2).
     "real-depth": Preset("real-depth", world_size=8, dtype="float32",
                          overrides={"num_attention_heads": 8, "attention_head_dim": 128, "axes_dims_rope": (16, 56, 56),
-                                    "num_layers": 19, "num_single_layers": 38}),
+                                    "num_layers": 19, "num_single_layers": 38, "in_channels": 64, "out_channels": 64,
+                                    "joint_attention_dim": 4096, "pooled_projection_dim": 768}),
     # The old default: ~1 GB in 62 tensors over 4 ranks (few, large tensors).
     "1gb": Preset("1gb", world_size=4, dtype="bfloat16", size_bytes=10**9),
 }
