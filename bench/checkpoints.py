@@ -24,15 +24,24 @@ class Preset:
     class_name: str = "FluxTransformer2DModel"
 
 
+def _flux_widths(double_blocks: int, single_blocks: int) -> dict[str, Any]:
+    """FLUX.1's widths at 8 heads of 128 instead of 24, at a chosen depth.
+
+    Its input and output widths are FLUX.1's (64 latent channels in and out, 4096 text, 768 pooled), so
+    every layer takes a LoRA extraction of rank 32 (the tiny model's 2- to 7-wide ones are refused above 2).
+    """
+    return {"num_attention_heads": 8, "attention_head_dim": 128, "axes_dims_rope": (16, 56, 56),
+            "num_layers": double_blocks, "num_single_layers": single_blocks, "in_channels": 64, "out_channels": 64,
+            "joint_attention_dim": 4096, "pooled_projection_dim": 768}
+
+
 PRESETS = {
-    # FLUX.1's depth (19 double + 38 single blocks, 1,160 state-dict entries) at 8 heads of 128
-    # instead of 24: the tensor count and rank count of the real model, 5.3 GB of float32. Its input
-    # and output widths are FLUX.1's (64 latent channels in and out, 4096 text, 768 pooled), so every
-    # layer takes a LoRA extraction of rank 32 (the tiny model's 2- to 7-wide ones are refused above 2).
-    "real-depth": Preset("real-depth", world_size=8, dtype="float32",
-                         overrides={"num_attention_heads": 8, "attention_head_dim": 128, "axes_dims_rope": (16, 56, 56),
-                                    "num_layers": 19, "num_single_layers": 38, "in_channels": 64, "out_channels": 64,
-                                    "joint_attention_dim": 4096, "pooled_projection_dim": 768}),
+    # FLUX.1's depth (19 double + 38 single blocks, 1,160 state-dict entries): the tensor count and rank
+    # count of the real model, 5.3 GB of float32.
+    "real-depth": Preset("real-depth", world_size=8, dtype="float32", overrides=_flux_widths(19, 38)),
+    # Half of it (10 double + 19 single blocks), the same widths: with real-depth, two depths of one
+    # architecture, so a peak-memory figure can be shown flat (or not) as the model grows.
+    "half-depth": Preset("half-depth", world_size=8, dtype="float32", overrides=_flux_widths(10, 19)),
     # The old default: ~1 GB in 62 tensors over 4 ranks (few, large tensors).
     "1gb": Preset("1gb", world_size=4, dtype="bfloat16", size_bytes=10**9),
 }
@@ -91,6 +100,11 @@ def build_checkpoints(root: Path, preset: Preset, layouts: tuple[str, ...]) -> t
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_build, args=(child, str(root), preset, layouts))
     proc.start()
-    dirs, base = parent.recv()
+    child.close()  # the child's end only in the child: a child that dies ends the pipe instead of hanging recv()
+    try:
+        dirs, base = parent.recv()
+    except EOFError:
+        proc.join()
+        raise SystemExit(f"building the {preset.name} checkpoint failed (the builder exited with {proc.exitcode})") from None
     proc.join()
     return {layout: Path(d) for layout, d in zip(layouts, dirs, strict=True)}, Path(base)

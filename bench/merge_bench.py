@@ -11,6 +11,7 @@ medians and ratios only; no result is compared with a fixed time.
 
     python bench/merge_bench.py                          # real depth: FLUX.1's 1,160 tensors, W=8, 5.3 GB
     python bench/merge_bench.py --preset 1gb             # ~1 GB in 62 tensors, W=4
+    python bench/merge_bench.py --preset half-depth      # FLUX.1's widths at half its depth (peak memory vs depth)
     python bench/merge_bench.py --dtypes preserve        # only the preserving export
     python bench/merge_bench.py --layout dcp             # the same model as a torch DCP (one writer)
     python bench/merge_bench.py --dtypes preserve --output-format transformer single_file
@@ -219,6 +220,18 @@ def ratio_pairs(layouts: tuple[str, ...], formats: list[str], sources: dict[str,
     return pairs + [(column(lo, f, sources), column(layouts[0], f, sources)) for lo in layouts[1:] for f in formats]
 
 
+def order_balanced(ratios: list[float]) -> list[float]:
+    """The geometric mean of each pair of consecutive rounds (the columns alternate which runs first).
+
+    The first export after the floors (or after a minute idle) runs slower on this VM, whatever the output:
+    5-7 s more system time at real depth, where perf shows the copy into the page cache 2.4x slower. That
+    fits the guest handing freed pages back to the host (its virtio-balloon offers free page reporting),
+    the next writer into them paying the host's faults. A round's ratio is then biased towards whichever
+    column ran first; a pair of rounds holds each order once, so the bias cancels in their geometric mean.
+    """
+    return [(a * b) ** 0.5 for a, b in zip(ratios[0::2], ratios[1::2], strict=False)]
+
+
 def median_run(runs: list[Run]) -> Run:
     return sorted(runs, key=lambda r: r.ratio)[len(runs) // 2]
 
@@ -292,6 +305,10 @@ def main() -> int:
                     ratios = [b.cli_s / a.cli_s for a, b in zip(results[ref][0], results[name][0], strict=True)]
                     print(f"\n{name} / {ref}, whole command, same rounds: median {statistics.median(ratios):.3f} "
                           f"(rounds: {', '.join(f'{r:.3f}' for r in ratios)})")
+                    balanced = order_balanced(ratios)
+                    if balanced:
+                        print(f"  order-balanced (each pair of rounds: one with each column first): median "
+                              f"{statistics.median(balanced):.3f} (pairs: {', '.join(f'{r:.3f}' for r in balanced)})")
         print("\ncli_s: the whole `mergeflow merge` process; floor: read + write + sha256 (fsync) of the rank files in one "
               "pass, measured right before each run; ratio: median of per-run cli_s / floor")
     finally:

@@ -90,3 +90,22 @@ def test_all_finite_sees_every_kind_of_non_finite(dtype: torch.dtype) -> None:
         y[537] = bad
         assert not all_finite(y)
     assert all_finite(torch.tensor([torch.finfo(dtype).max, torch.finfo(dtype).min, -0.0], dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_all_finite_scans_every_slice_through_one_reused_buffer(dtype: torch.dtype) -> None:
+    """The scan runs in slices of _SCAN_BYTES through one buffer per thread: a non-finite value is seen at
+    either edge of any slice and in a short last slice, and a stale slice left in the buffer by a tensor
+    scanned before never stands in for the next tensor's."""
+    from mergeflow.export.reconstruct import rebuild
+
+    step = rebuild._SCAN_BYTES // torch.tensor([], dtype=dtype).element_size()
+    x = torch.zeros(2 * step + 3, dtype=dtype)
+    assert all_finite(x)
+    buffer = rebuild._scan_buffer()
+    for at in (0, step - 1, step, 2 * step - 1, 2 * step, 2 * step + 2):
+        y = x.clone()
+        y[at] = float("inf")
+        assert not all_finite(y), at
+        assert all_finite(x), "a slice of the tensor scanned before was taken for this one's"
+    assert rebuild._scan_buffer() is buffer  # the same buffer: nothing allocated per call

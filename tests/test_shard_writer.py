@@ -339,3 +339,32 @@ def test_a_data_hash_that_is_not_the_written_bytes_is_caught(shard_setup, monkey
         write.write_shard_file(shard, states, out, out / "work")
     assert calls["n"] == 1
     assert not (out / shard.file_name).exists()
+
+
+def test_a_data_hash_file_is_hashed_behind_the_writer_block_by_block_through_one_buffer(shard_setup, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The trailing hasher reads the file into one reused buffer and feeds the range digests inline from
+    it: with blocks of 24 bytes against ranges of 64 (every range spans several blocks, some split
+    mid-block), the file's digest and every range's are those of the bytes on disk."""
+    from mergeflow.io import streamio
+
+    shard, states, out = shard_setup
+    monkeypatch.setattr(ranges_module, "RANGE_SIZE", 64)
+    monkeypatch.setattr(streamio, "READ_BLOCK", 24)
+    record = write.write_shard_file(_hashed_header_shard(shard), states, out, out / "work")
+    raw = (out / record.file_name).read_bytes()
+    assert record.sha256 == hashlib.sha256(raw).hexdigest()
+    assert record.ranges is not None and record.ranges.size == len(raw)
+    assert list(record.ranges.sha256) == [hashlib.sha256(raw[i : i + 64]).hexdigest() for i in range(0, len(raw), 64)]
+
+
+def test_the_trailing_hasher_takes_only_an_inline_range_hasher(tmp_path: Path) -> None:
+    from mergeflow.io.ranges import RangeHasher
+    from mergeflow.io.streamio import TrailingHasher
+
+    (tmp_path / "f").write_bytes(b"x" * 16)
+    threaded = RangeHasher()
+    try:
+        with pytest.raises(ValueError, match="inline"):
+            TrailingHasher(tmp_path / "f", 8, lambda: b"h" * 8, threaded)
+    finally:
+        threaded.close()

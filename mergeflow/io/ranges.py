@@ -56,27 +56,35 @@ def wants_ranges(size: int, range_size: int | None = None) -> bool:
 
 
 class RangeHasher:
-    """The sha256 of each consecutive range of a byte stream, on a thread of its own.
+    """The sha256 of each consecutive range of a byte stream, on a thread of its own (or inline: below).
 
     Fed the very blocks a writer writes (or a hasher reads), in file order: its work overlaps the
     writer and the whole-file hasher instead of following them. The blocks are not copied; the
     bounded queue keeps only a few alive. Start it at the file's first byte.
     """
 
-    def __init__(self, range_size: int | None = None, depth: int = 8) -> None:
+    def __init__(self, range_size: int | None = None, depth: int = 8, *, inline: bool = False) -> None:
         self.range_size = range_size or RANGE_SIZE
+        # inline: hashed in the feeder's own thread as each block comes, for a feeder that reuses its
+        # buffer (a queued block would be overwritten) and whose block is still in L2 from its own hash.
+        self.inline = inline
         self._digests: list[str] = []
         self._digest = hashlib.sha256()
         self._filled = 0
         self._size = 0
         self._error: BaseException | None = None
         self._queue: queue.Queue[memoryview | bytes | None] = queue.Queue(maxsize=depth)
-        self._thread = threading.Thread(target=self._run, name="sha256-ranges", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if not inline:
+            self._thread = threading.Thread(target=self._run, name="sha256-ranges", daemon=True)
+            self._thread.start()
         self._closed = False
 
     def update(self, block: memoryview | bytes) -> None:
-        self._queue.put(block)
+        if self.inline:
+            self._hash(memoryview(block).cast("B"))
+        else:
+            self._queue.put(block)
 
     def _run(self) -> None:
         try:
@@ -110,8 +118,9 @@ class RangeHasher:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._queue.put(_DONE)
-            self._thread.join()
+            if self._thread is not None:
+                self._queue.put(_DONE)
+                self._thread.join()
 
 
 def hash_span(fd: int, offset: int, length: int) -> str:

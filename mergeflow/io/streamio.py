@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from mergeflow.io.ranges import RangeHasher
+from mergeflow.io.ranges import READ_BLOCK, RangeHasher
 
 BLOCK = 16 * 1024 * 1024
 _DONE = None
@@ -101,6 +101,8 @@ class TrailingHasher:
 
     def __init__(self, path: os.PathLike[str] | str, data_start: int, header: Callable[[], bytes],
                  ranges: RangeHasher | None = None) -> None:
+        if ranges is not None and not ranges.inline:
+            raise ValueError("the trailing hasher reuses its buffer: its range hasher must hash inline")
         self.data_start = data_start
         self.ranges = ranges  # fed every block hashed here, header first: the file's per-range digests
         self._header = header
@@ -139,15 +141,22 @@ class TrailingHasher:
             if self.ranges is not None:
                 self.ranges.update(header)
             pos = self.data_start
+            # One L2-sized buffer for the whole file. os.pread returned a new 16 MiB bytes object per
+            # block, each a fresh mapping (above glibc's mmap threshold, io/heap.py) faulted in and
+            # zeroed before the copy: at real depth (5.3 GB) the single-file export's minor faults went
+            # from 2.58 M to 1.28 M and its system time from ~12.5 s to ~9 s with this buffer. The range
+            # digests (an inline RangeHasher) then hash each block from L2 right after the file's digest.
+            buffer = bytearray(READ_BLOCK)
             while (end := self._next_end(pos)) is not None:
                 while pos < end:
-                    block = os.pread(self._fd, min(BLOCK, end - pos), pos)
-                    if not block:
+                    n = os.preadv(self._fd, [memoryview(buffer)[: min(READ_BLOCK, end - pos)]], pos)
+                    if not n:
                         raise OSError(f"the file being hashed ended at {pos} bytes, {end} were written")
+                    block = memoryview(buffer)[:n]
                     self._digest.update(block)
                     if self.ranges is not None:
                         self.ranges.update(block)
-                    pos += len(block)
+                    pos += n
         except BaseException as exc:  # re-raised in the writer's thread by finish()
             self._error = exc
 

@@ -246,7 +246,7 @@ def _write_hashed_ahead(partial: Path, header: bytes, entries: dict[str, HeaderE
             value = {**metadata, DATA_HASH_KEY: data_hash_value(data_hash.result())}
             return build_header(layout, value)[0]
 
-        ranges = RangeHasher() if wants_ranges(len(header) + shard.nbytes) else None
+        ranges = RangeHasher(inline=True) if wants_ranges(len(header) + shard.nbytes) else None
         trailing = TrailingHasher(partial, len(header), final_header, ranges)
         try:
             follow = FollowingReadBack(partial, len(header), entries, states)
