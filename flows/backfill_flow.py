@@ -28,7 +28,7 @@ from mergeflow.config import (
     TaskRunner,
 )
 from mergeflow.errors import UsageError
-from mergeflow.flows.fan_out import FanOut, FanOutError, settle
+from mergeflow.flows.fan_out import FanOut, FanOutError, require_deployment, settle
 from mergeflow.flows.heartbeats import skip_heartbeat_join
 from mergeflow.flows.merge import merge_flow
 from mergeflow.flows.prefect_flow import flow
@@ -141,6 +141,7 @@ def _fan_out(settings: BackfillSettings, deployment: str, task_runner: TaskRunne
         raise UsageError("allow_unchanged cannot fan out: the merge deployment has no such parameter; "
                          "backfill without deployment to publish unchanged steps")
     make_task_runner(task_runner, workers=settings.workers, dask_address=dask_address)  # a wrong pair fails here, once
+    require_deployment(deployment)
     run_name = settings.run_name or Path(settings.train_dir).expanduser().absolute().name
     fan = FanOut(deployment, run_name, {
         "output_format": settings.output_format, "dtype": settings.dtype, "max_shard_size": settings.max_shard_size,

@@ -10,6 +10,7 @@ import traceback
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from mergeflow.config import (
@@ -35,13 +36,14 @@ from mergeflow.flows.interrupts import api_answers
 from mergeflow.flows.ops_cli import (
     OPS_COMMANDS,
     add_backfill_command,
+    positive_bytes,
     add_ops_commands,
     add_smoke_flags,
     add_task_runner_flags,
     backfill_settings,
 )
 from mergeflow.io.os_errors import typed_os_error
-from mergeflow.ops.backfill import BackfillSummary, StepResult
+from mergeflow.ops.backfill import BackfillSettings, BackfillSummary, StepResult
 from mergeflow.ops.signals import (
     end_soon,
     exit_status_of,
@@ -120,16 +122,6 @@ def _common(parser: argparse.ArgumentParser, *, local_dir_required: bool = False
     _debug(parser)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer number of bytes") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError("must be > 0")
-    return value
-
-
 # A command: its arguments in, out the JSON object it prints as its last line (each command's own TypedDict).
 Command = Callable[[argparse.Namespace], Mapping[str, object]]
 
@@ -162,7 +154,7 @@ def build_parser(more: Verbs = NO_VERBS) -> argparse.ArgumentParser:
     _flag(merge, "--output_format", "--output-format", dest="output_format", default=DEFAULT_OUTPUT_FORMAT, choices=OUTPUT_FORMATS,
           help="a whole pipeline with the trained transformer, or the transformer alone")
     _flag(merge, "--dtype", default=DEFAULT_DTYPE, choices=DTYPES, help="dtype of the written weights (preserve: as trained)")
-    _flag(merge, "--max_shard_size", "--max-shard-size", dest="max_shard_size", type=_positive_int, default=DEFAULT_MAX_SHARD_SIZE,
+    _flag(merge, "--max_shard_size", "--max-shard-size", dest="max_shard_size", type=positive_bytes, default=DEFAULT_MAX_SHARD_SIZE,
           help="bytes per output .safetensors file (2147483648 = 2 GiB)")
     _flag(merge, "--hf_upload_path", "--hf-upload-path", dest="hf_upload_path", help="ORG/REPO to upload to after publishing")
     _flag(merge, "--private", action="store_true", help="create the Hub repo private")
@@ -313,10 +305,35 @@ def cmd_backfill(args: argparse.Namespace) -> BackfillSummary:
     def report(step: StepResult) -> None:
         print(step.line(), flush=True)  # one line per step as it finishes; the JSON summary stays the last line
 
+    settings = backfill_settings(args)
     with _running_flows(announce="backfill"):
+        if args.deployment:
+            return _fanned_out_backfill(args, settings, report)
         from mergeflow.flows.api import merge_model
 
-        return summary(backfill(backfill_settings(args), merge_model, report))
+        return summary(backfill(settings, lambda config: merge_model(
+            config, task_runner=args.task_runner, dask_address=args.dask_address), report))
+
+
+_PATH_FIELDS = ("train_dir", "base_model", "target_root", "sign_key")
+
+
+def _fanned_out_backfill(args: argparse.Namespace, settings: BackfillSettings,
+                         report: Callable[[StepResult], None]) -> BackfillSummary:
+    """`backfill --deployment`: the backfill flow dispatches every step as a run of the deployment (flows/fan_out.py)
+    and returns once all have ended; its run page lists them. The lines come when the last one has ended."""
+    from dataclasses import asdict
+
+    from mergeflow.flows.backfill_flow import backfill_flow
+
+    # The step runs run on other machines, from other directories: every path they get is absolute.
+    fields = {name: str(Path(value).expanduser().absolute()) if name in _PATH_FIELDS and value else value
+              for name, value in asdict(settings).items()}
+    result = backfill_flow(**fields, task_runner=args.task_runner, dask_address=args.dask_address,
+                           deployment=args.deployment)
+    for step in result["steps"]:
+        report(StepResult(**step))
+    return result
 
 
 def cmd_test(args: argparse.Namespace) -> IntegrityResult:

@@ -23,7 +23,7 @@ from typing import Any
 from uuid import UUID
 
 from mergeflow.config import ModelMergerConfig
-from mergeflow.errors import MergeflowError
+from mergeflow.errors import MergeflowError, UsageError
 from mergeflow.formats.verl_checkpoint import step_of
 from mergeflow.ops.backfill import StepResult
 
@@ -72,6 +72,24 @@ class FanOut:
                 if len(final) < len(self.runs):
                     time.sleep(poll_seconds)
         return final
+
+
+def require_deployment(name: str) -> None:
+    """Refuse, before anything is dispatched, a deployment the server does not have (its pool is then named in
+    the log: a run waits there until a worker of that pool polls)."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+    from prefect.settings import PREFECT_API_URL
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_deployment_by_name(name)
+        except ObjectNotFound:
+            raise UsageError(f"the Prefect server at {PREFECT_API_URL.value() or 'this process'} has no deployment "
+                             f"{name!r}; deploy it (prefect deploy --all --prefect-file deployments/prefect.yaml, or "
+                             f"mergeflow serve), or backfill without --deployment") from None
+        except ValueError:  # not FLOW/DEPLOYMENT
+            raise UsageError(f"deployment {name!r} is not named FLOW/DEPLOYMENT (e.g. {MERGE_DEPLOYMENT})") from None
 
 
 def settle(results: list[StepResult], final: Mapping[str, Any]) -> list[StepResult]:

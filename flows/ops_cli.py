@@ -12,9 +12,11 @@ from typing import TypedDict
 
 from mergeflow.config import (
     DEFAULT_DTYPE,
+    DEFAULT_MAX_SHARD_SIZE,
     DEFAULT_OUTPUT_FORMAT,
     DEFAULT_QUANTIZE,
     DEFAULT_TASK_RUNNER,
+    DEFAULT_WORKERS,
     DTYPES,
     OUTPUT_FORMATS,
     QUANTIZATIONS,
@@ -23,7 +25,19 @@ from mergeflow.config import (
     TASK_RUNNERS,
 )
 from mergeflow.errors import ConcurrentExportError
+from mergeflow.flows.fan_out import MERGE_DEPLOYMENT
 from mergeflow.ops.backfill import BackfillSettings
+
+
+def positive_bytes(text: str) -> int:
+    """A --max-shard-size: a whole number of bytes above 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer number of bytes") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError("must be > 0")
+    return value
 
 
 def add_task_runner_flags(parser: argparse.ArgumentParser) -> None:
@@ -87,6 +101,14 @@ def add_backfill_command(sub: argparse._SubParsersAction) -> None:  # type: igno
     add_smoke_flags(parser)
     parser.add_argument("--stable-seconds", dest="stable_seconds", type=float, default=5.0,
                         help="a checkpoint must stay unchanged this long to count as complete (as for watch)")
+    parser.add_argument("--max_shard_size", "--max-shard-size", dest="max_shard_size", type=positive_bytes,
+                        default=DEFAULT_MAX_SHARD_SIZE, help="bytes per output .safetensors file (2147483648 = 2 GiB)")
+    parser.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help="parallel rank loaders and shard writers per step")
+    add_task_runner_flags(parser)
+    parser.add_argument("--deployment", nargs="?", const=MERGE_DEPLOYMENT, metavar="FLOW/DEPLOYMENT",
+                        help=f"fan out: each step as one run of this deployment (default {MERGE_DEPLOYMENT}) on its work "
+                             "pool's workers, all dispatched at once, the pool's and the deployment's concurrency limits "
+                             "pacing them; the server is PREFECT_API_URL's. Without it each step runs here, in turn")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and Prefect's console logs")
 
 
@@ -105,7 +127,8 @@ def backfill_settings(args: argparse.Namespace) -> BackfillSettings:
                             run_name=args.run_name, output_format=args.output_format, dtype=args.dtype, quantize=args.quantize,
                             allow_unchanged=args.allow_unchanged, stable_seconds=args.stable_seconds,
                             extract_lora=args.extract_lora, extract_energy=args.extract_energy, sign_key=args.sign_key,
-                            smoke=args.smoke, smoke_device=args.smoke_device, base_model_id=args.base_model_id)
+                            smoke=args.smoke, smoke_device=args.smoke_device, base_model_id=args.base_model_id,
+                            max_shard_size=args.max_shard_size, workers=args.workers)
 
 
 @contextmanager

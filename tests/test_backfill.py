@@ -169,3 +169,21 @@ def test_a_fanned_out_backfill_refuses_allow_unchanged_before_dispatching(tmp_pa
         backfill_flow(train_dir=str(train), base_model=str(pristine_run.base_dir), target_root=str(out),
                       allow_unchanged=True, stable_seconds=0, deployment="mergeflow-merge-checkpoint/on-checkpoint")
     assert not out.exists()
+
+
+@pytest.mark.parametrize(("deployment", "refusal"), [
+    ("nope/missing", "has no deployment 'nope/missing'"),
+    ("not-flow-slash-deployment", "is not named FLOW/DEPLOYMENT"),
+])
+def test_backfill_to_a_deployment_the_server_lacks_is_one_line_and_writes_nothing(
+        tmp_path: Path, pristine_run: TrainingRun, cli_env: dict[str, str], deployment: str, refusal: str) -> None:
+    """`backfill --deployment` checks the deployment before it dispatches anything (the fan-out that runs is in
+    tests/test_cluster.py)."""
+    train, out = clone_run(pristine_run, tmp_path, steps=(1, 2), published=())
+    done = forked_cli.mergeflow([*backfill_args(pristine_run.base_dir, train, out), "--deployment", deployment],
+                                cli_env)
+    assert done.returncode != 0
+    # The two announcements (the server used, the backfill run's page) come first; then the one refusal.
+    errors = [line for line in done.stderr.splitlines() if line.startswith("mergeflow: error:")]
+    assert len(errors) == 1 and refusal in errors[0] and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert not out.exists()

@@ -13,6 +13,8 @@ import asyncio
 import copy
 import os
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -163,6 +165,35 @@ def _limit_deployment(cluster: Cluster, name: str, limit: int) -> None:
             await client.update_deployment(deployment.id, DeploymentUpdate(concurrency_limit=limit))
 
     asyncio.run(update())
+
+
+def _limit_pool(cluster: Cluster, limit: int) -> None:
+    from prefect.client.schemas.actions import WorkPoolUpdate
+
+    async def update() -> None:
+        async with cluster.client() as client:
+            await client.update_work_pool("mergeflow", WorkPoolUpdate(concurrency_limit=limit))
+
+    asyncio.run(update())
+
+
+def _state_names(cluster: Cluster, run_id: UUID) -> list[str]:
+    """Every state a flow run has been in, oldest first."""
+    async def read() -> list[str]:
+        async with cluster.client() as client:
+            return [state.name for state in await client.read_flow_run_states(run_id)]
+
+    return asyncio.run(read())
+
+
+def _backfill_command(site: Site, train: Path) -> subprocess.Popen[str]:
+    """`mergeflow backfill --deployment` as a user types it on a machine of its own, started, not waited for."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "mergeflow", "backfill", str(train), "--base_model", str(site.base), "--target-root",
+         str(site.targets), "--output_format", "transformer", "--stable-seconds", "0", "--max-shard-size", str(SHARD),
+         "--deployment"],
+        env=site.cluster.client_env(site.cluster.root / "cli-home"), cwd=site.cluster.root, stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _in_thread(cluster: Cluster, fn: Callable[[], Any]) -> Future[Any]:
@@ -343,11 +374,33 @@ def test_cluster_fan_out_worker_deaths_and_limits(site: Site) -> None:
     crash_wait_s = round(time.monotonic() - killed_at, 1)
     assert not target_a.exists() and len(list(target_a.parent.glob(".global_step_3.mergeflow-staging-*"))) == 1
 
-    # Backfill again: the step runs on a live worker and resumes the staging, to the same bytes.
+    # Backfill again, as a user does (`mergeflow backfill --deployment`): the step runs on a live worker and
+    # resumes the staging, to the same bytes. Beside it another run's step, with the pool's limit at 1: both
+    # workers are free, so only the pool's limit keeps the two runs from running at once.
     inode_b = target_b.stat().st_ino
-    summary_a = _in_thread(cluster, lambda: _backfill(site, train_a, task_runner="thread")).result(timeout=120)
-    assert [(s["step"], s["status"], s["detail"]) for s in summary_a["steps"]] == [(3, "done", "resumed")]
+    _limit_pool(cluster, 1)
+    resume = _backfill_command(site, train_a)
+    summary_c = _in_thread(cluster, lambda: _backfill(site, _clone_steps(site, "run-c", (1,)), task_runner="thread"))
+    out, err = resume.communicate(timeout=180)
+    assert resume.returncode == 0, err[-3000:]
+    assert [line for line in out.splitlines() if line.startswith("global_step_")] == [
+        f"global_step_3: done (resumed) -> {target_a}"], out
     assert tree_digest(target_a) == site.renamed[f"{SLOW}a"]
+    assert [(s["step"], s["status"]) for s in summary_c.result(timeout=120)["steps"]] == [(1, "done")]
+    paced = [r for r in _runs(cluster) if _run_target(r) in (str(target_a), str(targets / "run-c" / "global_step_1"))
+             and r.state.name == "Completed"]
+    assert len(paced) == 2 and _max_overlap(paced) == 1, [(r.name, r.start_time, r.end_time) for r in paced]
+    # The deployment's limit at 1, the pool's back at 3: two steps of one backfill, again one at a time, the
+    # second held in AwaitingConcurrencySlot (the deployment's own limit, not the pool's) until the first ends.
+    _limit_pool(cluster, POOL_LIMIT)
+    _limit_deployment(cluster, MERGE, 1)
+    summary_d = _in_thread(cluster, lambda: _backfill(site, _clone_steps(site, "run-d", (1, 2)), task_runner="thread"))
+    assert [(s["step"], s["status"]) for s in summary_d.result(timeout=180)["steps"]] == [(1, "done"), (2, "done")]
+    held = [r for r in _runs(cluster) if "/run-d/" in _run_target(r)]
+    assert len(held) == 2 and _max_overlap(held) == 1, [(r.name, r.start_time, r.end_time) for r in held]
+    assert any("AwaitingConcurrencySlot" in _state_names(cluster, r.id) for r in held), \
+        {r.name: _state_names(cluster, r.id) for r in held}
+    _limit_deployment(cluster, MERGE, DEPLOYMENT_LIMIT)
     again = _in_thread(cluster, lambda: _backfill(site, train_b)).result(timeout=60)
     assert [(s["step"], s["status"]) for s in again["steps"]] == [(2, "skipped")]
     assert target_b.stat().st_ino == inode_b  # never published twice
@@ -359,7 +412,8 @@ def test_cluster_fan_out_worker_deaths_and_limits(site: Site) -> None:
     assert sorted(per_target[str(target_a)]) == ["Completed", "Crashed"]
     assert per_target[str(target_b)] == ["Completed"]
     assert all(states.count("Completed") == 1 for states in per_target.values()), per_target
-    # Concurrency: never more runs at once than the deployment's and the pool's limits (the crashed run included).
+    # Concurrency: never more runs at once than the deployment's and the pool's limits (the crashed run included),
+    # each of which held runs back on its own above.
     assert all(r.start_time and r.end_time for r in runs)
     assert 2 <= _max_overlap(runs) <= min(DEPLOYMENT_LIMIT, POOL_LIMIT)
     limits = _limits(cluster)
