@@ -62,7 +62,7 @@ def _build(conn: Any, root: str, preset: Preset, layouts: tuple[str, ...]) -> No
     if preset.overrides is None:
         demo = build_sized_checkpoint(Path(root), preset.size_bytes, world_size=preset.world_size, dtype=dtype,
                                       class_name=preset.class_name)
-        conn.send((str(demo.actor_dir), str(demo.base_dir)))
+        conn.send(([str(demo.actor_dir)] * len(layouts), str(demo.base_dir)))  # verl only (checked above)
         return
     model = build_transformer(preset.class_name, seed=0, dtype=dtype, config_overrides=preset.overrides)
     base = save_base_transformer(model, Path(root) / "base")

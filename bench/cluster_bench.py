@@ -9,7 +9,10 @@
    time on one worker, on the PostgreSQL server and on a SQLite one: the wall time per run, the first
    run's wait from its scheduled time to its start (the worker's poll, Prefect's default 10 s, then the
    flow-run process start) and the median run time (the engine, task runs and state changes around a
-   merge of a few milliseconds).
+   merge of a few hundred milliseconds). The fixed cost is that median less the same export's steps
+   called as plain functions in a fresh process that has imported what a worker's flow-run process
+   imports (the merge deployment's flow), median of 3: the first call of the export's own code pays
+   its lazy imports there too, so the difference is what the flow and task runs add.
 
     python bench/cluster_bench.py                    # 4 x 1 GB (the issue's size): run it on a quiet machine
     python bench/cluster_bench.py --size-mb 20       # a smoke run
@@ -22,6 +25,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -154,6 +158,11 @@ def overhead(root: Path, runs: int) -> dict[str, Any]:
                     cluster.api_url = server.api_url
                     measured = _overhead_on(cluster, demo.base_dir, checkpoints, targets)
         results[backend] = measured
+    direct = statistics.median(_direct_cold(demo.base_dir, checkpoints / "tiny" / "global_step_1" / "actor",
+                                            root / f"tiny-direct-{i}") for i in range(3))
+    results["direct_s"] = direct
+    for backend in ("postgresql", "sqlite"):
+        results[backend]["fixed_cost_s"] = round(results[backend]["median_run_s"] - direct, 3)
     return results
 
 
@@ -171,7 +180,31 @@ def _overhead_on(cluster: Any, base: Path, checkpoints: Path, targets: Path) -> 
             "median_run_s": statistics.median(measured["run_s"])}
 
 
+def _direct_cold(base: Path, actor: Path, target: Path) -> float:
+    """Seconds of one export's steps as plain function calls (bench/prefect_overhead.py's merge_direct), timed
+    inside a fresh process after it has loaded the merge deployment's flow, as a worker's flow-run process does."""
+    done = subprocess.run([sys.executable, __file__, "--direct", str(actor), str(base), str(target)], check=True,
+                          capture_output=True, text=True, timeout=300)
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def _direct_once(actor: str, base: str, target: str) -> None:
+    from prefect.flows import load_flow_from_entrypoint
+    from prefect_overhead import merge_direct
+
+    from mergeflow.config import ModelMergerConfig
+
+    load_flow_from_entrypoint("mergeflow.flows.checkpoint.merge_checkpoint_flow")  # the deployment's entrypoint
+    started = time.perf_counter()
+    merge_direct(ModelMergerConfig(local_dir=actor, base_model=base, target_dir=target, output_format="transformer",
+                                   workers=1))
+    print(round(time.perf_counter() - started, 3))
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--direct"]:  # one timed direct export, in a process of its own (_direct_cold)
+        _direct_once(*sys.argv[2:5])
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mb", type=int, default=1000, help="size of each of the 4 checkpoints (default 1 GB)")
     parser.add_argument("--overhead-runs", type=int, default=6, help="tiny exports per backend for the fixed cost")
