@@ -18,6 +18,7 @@ from mergeflow.config import (
     DEFAULT_TASK_RUNNER,
     DEFAULT_WORKERS,
     DTYPES,
+    MAX_WORKERS,
     OUTPUT_FORMATS,
     QUANTIZATIONS,
     SIGN_KEY_ENV,
@@ -37,6 +38,17 @@ def positive_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer number of bytes") from None
     if value <= 0:
         raise argparse.ArgumentTypeError("must be > 0")
+    return value
+
+
+def worker_count(text: str) -> int:
+    """A backfill's --workers, refused before any step is dispatched (each step's export would refuse it alone)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 1 <= value <= MAX_WORKERS:
+        raise argparse.ArgumentTypeError(f"must be between 1 and {MAX_WORKERS}")
     return value
 
 
@@ -103,7 +115,7 @@ def add_backfill_command(sub: argparse._SubParsersAction) -> None:  # type: igno
                         help="a checkpoint must stay unchanged this long to count as complete (as for watch)")
     parser.add_argument("--max_shard_size", "--max-shard-size", dest="max_shard_size", type=positive_bytes,
                         default=DEFAULT_MAX_SHARD_SIZE, help="bytes per output .safetensors file (2147483648 = 2 GiB)")
-    parser.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help="parallel rank loaders and shard writers per step")
+    parser.add_argument("--workers", type=worker_count, default=DEFAULT_WORKERS, help="parallel rank loaders and shard writers per step")
     add_task_runner_flags(parser)
     parser.add_argument("--deployment", nargs="?", const=MERGE_DEPLOYMENT, metavar="FLOW/DEPLOYMENT",
                         help=f"fan out: each step as one run of this deployment (default {MERGE_DEPLOYMENT}) on its work "

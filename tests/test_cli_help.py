@@ -64,6 +64,9 @@ def test_version_names_the_libraries_that_shape_the_output(capsys: pytest.Captur
     (["merge", "--backend", "fsdp", "--local_dir", "/c", "--base_model", "/b"], ["--target_dir"]),
     (["merge", "--local_dir", "/c"], ["--backend"]),
     (["serve", "--base_model", "/b", "--target-root", "/t"], ["--checkpoint-root"]),
+    (["backfill", "/r", "--base_model", "/b", "--target-root", "/t", "--workers", "0"], ["--workers", "between 1 and"]),
+    (["backfill", "/r", "--base_model", "/b", "--target-root", "/t", "--max-shard-size", "2G"],
+     ["--max_shard_size", "'2G' is not an integer number of bytes"]),
 ])
 def test_a_bad_flag_is_one_line_with_what_is_valid(argv: list[str], words: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as done:
