@@ -36,11 +36,11 @@ from mergeflow.flows.interrupts import api_answers
 from mergeflow.flows.ops_cli import (
     OPS_COMMANDS,
     add_backfill_command,
-    positive_bytes,
     add_ops_commands,
     add_smoke_flags,
     add_task_runner_flags,
     backfill_settings,
+    positive_bytes,
 )
 from mergeflow.io.os_errors import typed_os_error
 from mergeflow.ops.backfill import BackfillSettings, BackfillSummary, StepResult

@@ -75,8 +75,8 @@ class FanOut:
 
 
 def require_deployment(name: str) -> None:
-    """Refuse, before anything is dispatched, a deployment the server does not have (its pool is then named in
-    the log: a run waits there until a worker of that pool polls)."""
+    """Refuse, before anything is dispatched, a deployment the server does not have, or a name that is not
+    FLOW/DEPLOYMENT: otherwise every step would become a failed run, one per step."""
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
     from prefect.settings import PREFECT_API_URL
