@@ -7,6 +7,7 @@ written as, the triggered merge of the same step would be.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +135,14 @@ def backfill_flow(
     return summary(backfill(settings, merge, report=lambda r: logger.info("%s", r.line())))
 
 
+def _for_other_machines(settings: BackfillSettings) -> BackfillSettings:
+    """The step runs start on other machines, in other directories: a relative local base (a Hub id stays as it
+    is) or signing key becomes absolute. backfill() already makes each step's checkpoint and target absolute."""
+    base = Path(settings.base_model).expanduser()
+    return replace(settings, base_model=str(base.absolute()) if base.exists() else settings.base_model,
+                   sign_key=str(Path(settings.sign_key).expanduser().absolute()) if settings.sign_key else None)
+
+
 def _fan_out(settings: BackfillSettings, deployment: str, task_runner: TaskRunner, dask_address: str | None,
              logger: Any) -> BackfillSummary:
     """Every unpublished complete step as one run of `deployment`; the summary once all of them have ended."""
@@ -142,6 +151,7 @@ def _fan_out(settings: BackfillSettings, deployment: str, task_runner: TaskRunne
                          "backfill without deployment to publish unchanged steps")
     make_task_runner(task_runner, workers=settings.workers, dask_address=dask_address)  # a wrong pair fails here, once
     require_deployment(deployment)
+    settings = _for_other_machines(settings)
     run_name = settings.run_name or Path(settings.train_dir).expanduser().absolute().name
     fan = FanOut(deployment, run_name, {
         "output_format": settings.output_format, "dtype": settings.dtype, "max_shard_size": settings.max_shard_size,

@@ -10,7 +10,6 @@ import traceback
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from mergeflow.config import (
@@ -315,9 +314,6 @@ def cmd_backfill(args: argparse.Namespace) -> BackfillSummary:
             config, task_runner=args.task_runner, dask_address=args.dask_address), report))
 
 
-_PATH_FIELDS = ("train_dir", "base_model", "target_root", "sign_key")
-
-
 def _fanned_out_backfill(args: argparse.Namespace, settings: BackfillSettings,
                          report: Callable[[StepResult], None]) -> BackfillSummary:
     """`backfill --deployment`: the backfill flow dispatches every step as a run of the deployment (flows/fan_out.py)
@@ -326,10 +322,7 @@ def _fanned_out_backfill(args: argparse.Namespace, settings: BackfillSettings,
 
     from mergeflow.flows.backfill_flow import backfill_flow
 
-    # The step runs run on other machines, from other directories: every path they get is absolute.
-    fields = {name: str(Path(value).expanduser().absolute()) if name in _PATH_FIELDS and value else value
-              for name, value in asdict(settings).items()}
-    result = backfill_flow(**fields, task_runner=args.task_runner, dask_address=args.dask_address,
+    result = backfill_flow(**asdict(settings), task_runner=args.task_runner, dask_address=args.dask_address,
                            deployment=args.deployment)
     for step in result["steps"]:
         report(StepResult(**step))

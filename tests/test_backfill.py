@@ -187,3 +187,18 @@ def test_backfill_to_a_deployment_the_server_lacks_is_one_line_and_writes_nothin
     errors = [line for line in done.stderr.splitlines() if line.startswith("mergeflow: error:")]
     assert len(errors) == 1 and refusal in errors[0] and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert not out.exists()
+
+
+def test_a_fanned_out_step_gets_a_relative_local_base_absolute_and_a_hub_id_as_it_is(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Step runs start on other machines, in other directories (the whole fan-out runs in tests/test_cluster.py)."""
+    from mergeflow.flows.backfill_flow import _for_other_machines
+    from mergeflow.ops.backfill import BackfillSettings
+
+    (tmp_path / "base").mkdir()
+    monkeypatch.chdir(tmp_path)
+    local = _for_other_machines(BackfillSettings(train_dir="train", base_model="base", target_root="out",
+                                                 sign_key="keys/signing.pem"))
+    assert (local.base_model, local.sign_key) == (str(tmp_path / "base"), str(tmp_path / "keys" / "signing.pem"))
+    hub = _for_other_machines(BackfillSettings(train_dir="train", base_model="Qwen/Qwen-Image", target_root="out"))
+    assert (hub.base_model, hub.sign_key) == ("Qwen/Qwen-Image", None)

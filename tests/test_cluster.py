@@ -187,9 +187,11 @@ def _state_names(cluster: Cluster, run_id: UUID) -> list[str]:
 
 
 def _backfill_command(site: Site, train: Path) -> subprocess.Popen[str]:
-    """`mergeflow backfill --deployment` as a user types it on a machine of its own, started, not waited for."""
+    """`mergeflow backfill --deployment` as a user types it on a machine of its own, started, not waited for. The
+    base is named relative to its working directory: the runs on the workers must get it absolute."""
     return subprocess.Popen(
-        [sys.executable, "-m", "mergeflow", "backfill", str(train), "--base_model", str(site.base), "--target-root",
+        [sys.executable, "-m", "mergeflow", "backfill", str(train), "--base_model",
+         os.path.relpath(site.base, site.cluster.root), "--target-root",
          str(site.targets), "--output_format", "transformer", "--stable-seconds", "0", "--max-shard-size", str(SHARD),
          "--deployment"],
         env=site.cluster.client_env(site.cluster.root / "cli-home"), cwd=site.cluster.root, stdin=subprocess.DEVNULL,
