@@ -192,6 +192,68 @@ def test_a_modular_minimax_h3_pipeline_runs_its_transformer_forward(tmp_path: Pa
     assert runtime["step"].startswith("transformer forward (a modular pipeline") and runtime["output"]["finite"]
 
 
+EDITING = {"edit": "QwenImageEditPipeline", "edit_plus": "QwenImageEditPlusPipeline"}
+
+
+@pytest.mark.parametrize("variant", sorted(EDITING))
+def test_an_editing_pipeline_steps_on_an_input_image(tmp_path: Path, prefect_server: Any, prefect_api: Any,
+                                                     variant: str) -> None:
+    from fixtures.qwen_processor import load_edit_processor
+
+    transformer = tiny_qwenimage_transformer()
+    base = build_qwenimage_pipeline(tmp_path / "base", transformer, variant=variant)
+    actor, actor_dir = make_actor(transformer, tmp_path)
+    item = export(prefect_server, Exported(base, actor_dir, actor), tmp_path / "out")
+    assert item.out is not None
+    before = _digests(item.out)
+    # The processor is passed in: its video processor needs torchvision, which the CPU torch here lacks.
+    record = run_runtime_check(item.out, components={"processor": load_edit_processor(item.out / "processor")})
+    assert record["loaded_as"] == f"DiffusionPipeline ({EDITING[variant]})" and record["step"] == "pipeline, 1 step"
+    output = record["output"]
+    assert output["finite"] and output["shape"] == output["expected_shape"] and output["std"] > 0
+    # The transformer saw the input image's latents beside the 2x2 patches it denoises: more than 4 tokens.
+    assert output["shape"][1] > 4, output
+    assert _digests(item.out) == before
+
+
+def test_a_remote_code_pipeline_steps_only_with_trust_remote_code(tmp_path: Path, prefect_server: Any,
+                                                                  prefect_api: Any) -> None:
+    from fixtures.boogu import build_boogu_pipeline, load_boogu_transformer
+    from fixtures.qwen3vl import load_qwen3vl_processor
+
+    base = build_boogu_pipeline(tmp_path / "base")
+    actor, actor_dir = make_actor(load_boogu_transformer(base), tmp_path)
+    item = export(prefect_server, Exported(base, actor_dir, actor), tmp_path / "out", trust_remote_code=True)
+    assert item.out is not None
+    components = {"processor": load_qwen3vl_processor(item.out / "processor")}  # torchvision, as above
+    with pytest.raises(UsageError, match=r"BooguImagePipeline is the artifact's own code .*--trust-remote-code"):
+        run_runtime_check(item.out, components=components)
+    record = run_runtime_check(item.out, trust_remote_code=True, components=components)
+    assert record["loaded_as"] == "DiffusionPipeline (BooguImagePipeline)" and record["step"] == "pipeline, 1 step"
+    output = record["output"]
+    assert output["finite"] and output["shape"] == output["expected_shape"] and output["std"] > 0
+
+
+@pytest.mark.parametrize("qkv_layout", ["interleaved", "stacked"])
+def test_a_native_minimax_h3_package_runs_its_transformer_as_the_actor_does(tmp_path: Path, prefect_server: Any,
+                                                                           prefect_api: Any, qkv_layout: str) -> None:
+    from fixtures.minimax_h3 import build_minimax_h3_native
+
+    from mergeflow.demo.checkpoints import build_transformer
+    from mergeflow.ops.smoke import transformer_step
+
+    transformer = build_transformer("MiniMaxH3Transformer3DModel", seed=0)
+    base = build_minimax_h3_native(tmp_path / "base", transformer)
+    actor, actor_dir = make_actor(transformer, tmp_path)
+    item = export(prefect_server, Exported(base, actor_dir, actor), tmp_path / "out", smoke=True, qkv_layout=qkv_layout)
+    runtime = item.manifest["runtime"]
+    assert item.manifest["artifact_type"] == "minimax_h3_pipeline" and runtime["status"] == "passed"
+    assert runtime["loaded_as"].startswith(f"MiniMaxH3Transformer3DModel via Diffusers' native converter (qkv_layout={qkv_layout}")
+    # The native weights, read back through Diffusers' converter in the declared row order, run as the actor
+    # does: a wrong order (or a wrong rename) would run, finite, to another output.
+    assert runtime["output"] == transformer_step(actor, "cpu", torch.float32)
+
+
 @pytest.mark.parametrize("adapter_format,loaded", [
     ("peft", "PeftModel.from_pretrained onto the base transformer"),
     ("diffusers", "load_lora_adapter onto the base transformer"),

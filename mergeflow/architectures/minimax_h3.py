@@ -126,6 +126,16 @@ def native_config(diffusers_config: Mapping[str, Any], constructor_fields: list[
     return out
 
 
+def diffusers_config(native: Mapping[str, Any]) -> dict[str, Any]:
+    """The Diffusers constructor fields of a native config (`native_config` read backwards), for a loader that
+    builds `MiniMaxH3Transformer3DModel` from a native package; refuses a native config that lacks one."""
+    missing = sorted({*CONFIG_SAME, *CONFIG_RENAMES.values()} - set(native))
+    if missing:
+        raise SchemaMismatchError(f"the native MiniMax H3 config lacks {', '.join(missing)}")
+    out = {name: native[name] for name in CONFIG_SAME}
+    out.update({name: native[field] for name, field in CONFIG_RENAMES.items()})
+    return out
+
 def _normal(value: Any) -> Any:
     return [_normal(v) for v in value] if isinstance(value, (list, tuple)) else value
 

@@ -134,8 +134,11 @@ def pipeline_step(pipe: Any, device: str) -> dict[str, Any]:
         size = _smallest_size(pipe)
         kwargs: dict[str, Any] = {"prompt": PROMPT, "num_inference_steps": 1, "height": size, "width": size,
                                   "generator": torch.Generator(device="cpu").manual_seed(SEED), "output_type": "latent"}
-        if "num_frames" in _call_parameters(pipe):
+        parameters = _call_parameters(pipe)
+        if "num_frames" in parameters:
             kwargs["num_frames"] = 1
+        if "image" in parameters:  # an editing pipeline (Qwen-Image-Edit): its input image, seeded and tiny
+            kwargs["image"] = _input_image(size)
         with torch.no_grad():
             pipe(**kwargs)
     finally:
@@ -143,6 +146,15 @@ def pipeline_step(pipe: Any, device: str) -> dict[str, Any]:
     if "out" not in seen:
         raise RuntimeCheckError("the pipeline ran no denoising step")
     return _stats(seen["out"], _expected(seen["hidden"], dict(transformer.config)))
+
+
+def _input_image(size: int) -> Any:
+    """A seeded RGB noise image of size x size pixels, the input an editing pipeline needs for its one step."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(SEED).integers(0, 256, size=(size, size, 3), dtype=np.uint8)
+    return Image.fromarray(pixels, mode="RGB")
 
 
 def _call_parameters(pipe: Any) -> set[str]:
@@ -186,10 +198,13 @@ def _read_manifest(root: Path) -> dict[str, Any]:
 
 
 def run_runtime_check(artifact: Path, *, device: str = "cpu", dtype: str = "float32", base: Path | None = None,
-                      trust_remote_code: bool = False) -> dict[str, Any]:
+                      trust_remote_code: bool = False, components: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Load `artifact` with Diffusers and run one denoising step; its `runtime` record (raises on a failure).
 
     `base`: the base pipeline or transformer folder an adapter is loaded onto.
+    `components`: objects a pipeline is loaded with in place of its own folders, as `from_pretrained` takes them
+    (Python API only): e.g. a Qwen-Image-Edit processor built without its video processor, which needs
+    torchvision, on a machine without it.
     """
     check_device(device)
     torch_dtype = _torch_dtype(dtype)
@@ -200,7 +215,8 @@ def run_runtime_check(artifact: Path, *, device: str = "cpu", dtype: str = "floa
         try:
             from mergeflow.outputs.smoke_loaders import load_and_step
 
-            loaded_as, step, output = load_and_step(root, manifest, device, torch_dtype, base, trust_remote_code)
+            loaded_as, step, output = load_and_step(root, manifest, device, torch_dtype, base, trust_remote_code,
+                                                    components)
         except MergeflowError:
             raise
         except Exception as exc:  # a loader or model failure is the check's result, in one line

@@ -100,6 +100,34 @@ def load_single_file(root: Path, manifest: Mapping[str, Any], dtype: Any) -> tup
     return model.to(dtype).eval(), f"{cls.__name__} via the manifest's key map ({reason})"
 
 
+def load_minimax_h3_native(root: Path, manifest: Mapping[str, Any], dtype: Any) -> tuple[Any, str]:
+    """The native package's `transformer/` (MiniMaxH3DiTModel, which Diffusers has no class for) as Diffusers'
+    MiniMaxH3Transformer3DModel: its weights through Diffusers' own native converter, the one `from_single_file`
+    runs, in the QKV row order the export declared; every tensor of the model must come from the file."""
+    import torch
+    from diffusers import MiniMaxH3Transformer3DModel
+    from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_checkpoint_to_diffusers
+    from safetensors.torch import load_file
+
+    from mergeflow.architectures.minimax_h3 import diffusers_config
+
+    native = json.loads((root / "transformer" / "config.json").read_text())
+    layout = ((manifest.get("config_transform") or {}).get("tensor_conversion") or {}).get("qkv_layout")
+    if layout is None:
+        raise RuntimeCheckError("the manifest does not say which QKV row order the native transformer holds")
+    shards = sorted(n for n in manifest["files"] if n.startswith("transformer/") and n.endswith(".safetensors"))
+    state: dict[str, torch.Tensor] = {}
+    for name in shards:
+        state.update(load_file(str(root / name)))
+    config = diffusers_config(native)
+    converted = convert_minimax_h3_transformer_checkpoint_to_diffusers(state, config, qkv_layout=layout)
+    model = MiniMaxH3Transformer3DModel.from_config(config)
+    model.load_state_dict(converted, strict=True, assign=True)
+    return (model.to(dtype).eval(),
+            f"MiniMaxH3Transformer3DModel via Diffusers' native converter (qkv_layout={layout}; no Diffusers class "
+            "loads MiniMaxH3DiTModel)")
+
+
 def _base_transformer(base: Path, dtype: Any) -> tuple[Any, Any]:
     """(pipeline or None, transformer) of the local base an adapter is loaded onto."""
     import diffusers
@@ -131,14 +159,34 @@ def load_adapter(root: Path, manifest: Mapping[str, Any], base: Path | None, dty
     return transformer.eval(), "load_lora_adapter onto the base transformer"
 
 
+def _custom_pipeline(root: Path, trust_remote_code: bool) -> dict[str, Any]:
+    """`custom_pipeline` for a pipeline whose class is the artifact's own code (Boogu-Image's pipeline.py): Diffusers
+    imports it from there only when asked, and only with --trust-remote-code (as the export copied it)."""
+    import diffusers
+
+    name = json.loads((root / "model_index.json").read_text()).get("_class_name")
+    if hasattr(diffusers, str(name)) or not (root / "pipeline.py").is_file():
+        return {}
+    if not trust_remote_code:
+        raise UsageError(f"the pipeline class {name} is the artifact's own code (pipeline.py); "
+                         "run the check with --trust-remote-code to let Diffusers import it")
+    return {"custom_pipeline": str(root)}
+
+
 def load_and_step(root: Path, manifest: Mapping[str, Any], device: str, dtype: Any, base: Path | None,
-                   trust_remote_code: bool) -> tuple[str, str, dict[str, Any]]:
+                   trust_remote_code: bool, components: Mapping[str, Any] | None = None) -> tuple[str, str, dict[str, Any]]:
     import diffusers
 
     kind = manifest["artifact_type"]
+    # Before the pipeline branch: the native package has a model_index.json that Diffusers cannot load.
+    if kind == "minimax_h3_pipeline":
+        model, loaded_as = load_minimax_h3_native(root, manifest, dtype)
+        return loaded_as, "transformer forward (the native package's transformer)", transformer_step(model.to(device), device, dtype)
     if (root / "model_index.json").is_file():
         pipe = diffusers.DiffusionPipeline.from_pretrained(str(root), torch_dtype=dtype, local_files_only=True,
-                                                           trust_remote_code=trust_remote_code).to(device)
+                                                           trust_remote_code=trust_remote_code,
+                                                           **_custom_pipeline(root, trust_remote_code),
+                                                           **dict(components or {})).to(device)
         return f"DiffusionPipeline ({type(pipe).__name__})", "pipeline, 1 step", pipeline_step(pipe, device)
     if (root / "modular_model_index.json").is_file():
         # A modular pipeline's blocks take their own inputs (no one-call text-to-video entry): its trained
@@ -150,9 +198,6 @@ def load_and_step(root: Path, manifest: Mapping[str, Any], device: str, dtype: A
         model = cls.from_pretrained(str(root / component), torch_dtype=dtype, local_files_only=True).to(device)
         return (f"{cls.__name__}.from_pretrained ({component}/ of the modular pipeline)",
                 "transformer forward (a modular pipeline has no one-call step)", transformer_step(model, device, dtype))
-    if kind == "minimax_h3_pipeline":
-        raise RuntimeCheckError("no runtime check for MiniMax H3's native package: its transformer is the package's own "
-                                "MiniMaxH3DiTModel, which Diffusers does not load")
     if kind == "diffusers_transformer":
         cls = getattr(diffusers, json.loads((root / "config.json").read_text())["_class_name"])
         model = cls.from_pretrained(str(root), torch_dtype=dtype, local_files_only=True).to(device)
