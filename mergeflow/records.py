@@ -257,6 +257,9 @@ class ShardPlan:
     nbytes: int
     fingerprint: str
     metadata: dict[str, str] | None = None  # safetensors header metadata; None means {"format": "pt"}
+    # Whether the file holds enough of the artifact's bytes for per-range digests (mergeflow.io.ranges.large_share,
+    # planned with the whole artifact in view); the writer still takes none for a file of one range.
+    ranges: bool = True
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,10 @@ def exports(tmp_path_factory: pytest.TempPathFactory, prefect_server: Any) -> It
     try:
         with prefect_server.activated():
             out = {
-                "transformer": Path(merge_model(ex.config(root / "transformer", max_shard_size=60_000)).output_dir),
+                # Two shards (150 KB + 122 KB): each holds more than a quarter of the bytes, so each has ranges.
+                "transformer": Path(merge_model(ex.config(root / "transformer", max_shard_size=150_000)).output_dir),
+                # Five shards of at most 60 KB, none more than a quarter: checked file by file, no ranges.
+                "many_shards": Path(merge_model(ex.config(root / "many", max_shard_size=60_000)).output_dir),
                 "single_file": Path(merge_model(ex.config(root / "single", output_format="single_file")).output_dir),
                 # fp8: a single file hashed after writing (its header names a hash of computed data); GGUF likewise.
                 "fp8": Path(merge_model(ex.config(root / "fp8", output_format="single_file", quantize="fp8")).output_dir),
@@ -86,6 +89,42 @@ def test_every_weights_file_has_ranges_of_its_own_bytes(artifact: Path) -> None:
     # Configs, the index and the card: written whole in one go, far below a real range, whole digest only.
     small = set(manifest["files"]) - set(recorded)
     assert small and all((artifact / rel).stat().st_size <= ranges_module.RANGE_SIZE for rel in small)
+
+
+def test_shards_of_at_most_a_quarter_of_the_bytes_take_no_ranges_and_test_still_names_a_flipped_byte(
+        exports: dict[str, Path], tmp_path: Path) -> None:
+    artifact = Path(shutil.copytree(exports["many_shards"], tmp_path / "artifact"))
+    manifest = manifest_of(artifact)
+    shards = weights(artifact)
+    sizes = {rel: (artifact / rel).stat().st_size for rel in shards}
+    assert len(shards) >= 4 and all(4 * size <= sum(sizes.values()) for size in sizes.values()), sizes
+    assert all(size > 2 * RANGE for size in sizes.values())  # large enough for ranges, had they been wanted
+    assert FILE_RANGES not in manifest  # the extra sha256 pass was not taken
+    assert check_artifact(artifact)["integrity"] == "passed"  # whole files, on every core
+    rel = shards[2]
+    data = bytearray((artifact / rel).read_bytes())
+    data[-1] ^= 0x01
+    (artifact / rel).write_bytes(bytes(data))
+    with pytest.raises(ArtifactInvalidError, match=f"{rel} does not match its sha256"):
+        check_artifact(artifact)
+
+
+def test_a_shard_is_planned_with_ranges_when_it_holds_more_than_a_quarter_of_the_bytes() -> None:
+    from mergeflow.export.write.shard_writer import pack_shards
+    from mergeflow.io.ranges import large_share
+    from mergeflow.records import TensorLayout, TensorWrite
+
+    assert large_share(10, 10) and large_share(10, 39) and not large_share(10, 40)
+
+    def writes(rows: list[int]) -> list[TensorWrite]:
+        return [TensorWrite(f"t{i}", f"t{i}", TensorLayout(f"t{i}", "float32", (n, 256), None, ((0,),), ((n, 256),)),
+                            "float32") for i, n in enumerate(rows)]
+
+    four = pack_shards(writes([256] * 4), 256 * 256 * 4, "w.safetensors", "fp")  # four equal shards: a quarter each
+    assert [s.ranges for s in four.shards] == [False] * 4
+    uneven = pack_shards(writes([512, 128, 128, 128]), 512 * 256 * 4, "w.safetensors", "fp")  # 512 + 384 of 896 rows
+    assert [s.ranges for s in uneven.shards] == [True, True]
+    assert [s.ranges for s in pack_shards(writes([256] * 3), 256 * 256 * 4, "w.safetensors", "fp").shards] == [True] * 3
 
 
 def test_test_checks_ranges_instead_of_hashing_the_file_whole(artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:

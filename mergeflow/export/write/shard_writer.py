@@ -50,7 +50,7 @@ from mergeflow.io.fs import FileStamp
 from mergeflow.io.interrupt import raise_if_stopped
 from mergeflow.io.jsonfiles import write_bytes_durable, write_json_durable
 from mergeflow.io.os_errors import name_written_file, typed_os_error
-from mergeflow.io.ranges import FileRanges, RangeHasher, file_digests, wants_ranges
+from mergeflow.io.ranges import FileRanges, RangeHasher, file_digests, large_share, wants_ranges
 from mergeflow.io.session import active_session, current_session, sha256_file
 from mergeflow.io.staging import file_stamp
 from mergeflow.io.streamio import BackgroundFlush, HashingWriter, TrailingHasher
@@ -88,20 +88,25 @@ def pack_shards(writes: list[TensorWrite], max_shard_size: int, weights_name: st
         size += n
     if current or not groups:
         groups.append(current)
+    sizes = [sum(nbytes(t.out_dtype, t.layout.shape) for t in group) for group in groups]
+    total = sum(sizes)
     shards = []
-    for i, group in enumerate(groups):
+    for i, (group, size) in enumerate(zip(groups, sizes, strict=True)):
         name = shard_file_name(weights_name, i, len(groups))
         body = [(asdict(tw), i) for tw in group]
+        ranges = large_share(size, total)
         shards.append(
             ShardPlan(
                 index=i,
                 file_name=name,
                 tensors=tuple(group),
-                nbytes=sum(nbytes(t.out_dtype, t.layout.shape) for t in group),
-                fingerprint=fingerprint([plan_fingerprint, name, body, "write-v2"]),
+                nbytes=size,
+                # The ranges choice is part of what a staged file's record promises (a reused file must carry
+                # the ranges the manifest will list, or none).
+                fingerprint=fingerprint([plan_fingerprint, name, body, "write-v3", ranges]),
+                ranges=ranges,
             )
         )
-    total = sum(s.nbytes for s in shards)
     return OutputPlan(shards=tuple(shards), total_size=total, tensor_count=len(writes), indexed=len(groups) > 1)
 
 
@@ -187,7 +192,7 @@ def _write_and_hash(partial: Path, header: bytes, entries: dict[str, HeaderEntry
     data_digest: str | None = None
     file_ranges: FileRanges | None = None
     # The writer's blocks are the file's from its first byte only when the header is hashed with them.
-    ranges = RangeHasher() if not hash_in_header and wants_ranges(len(header) + shard.nbytes) else None
+    ranges = RangeHasher() if not hash_in_header and shard.ranges and wants_ranges(len(header) + shard.nbytes) else None
     try:
         follow = FollowingReadBack(partial, len(header), entries, states)
         try:
@@ -206,7 +211,7 @@ def _write_and_hash(partial: Path, header: bytes, entries: dict[str, HeaderEntry
         flush.fsync()  # the disk flush overlaps the checks that are left, which only need the page cache
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256-file") as pool:
             if hash_in_header:  # hashed from the page cache while the checks below run on the other core
-                file_hash = pool.submit(file_digests, partial, sha256_file)
+                file_hash = pool.submit(file_digests, partial, sha256_file, shard.ranges)
             follow.finish()
             verify_written_shard(partial, shard, states, header, metadata)
             if file_hash is not None:
@@ -246,7 +251,7 @@ def _write_hashed_ahead(partial: Path, header: bytes, entries: dict[str, HeaderE
             value = {**metadata, DATA_HASH_KEY: data_hash_value(data_hash.result())}
             return build_header(layout, value)[0]
 
-        ranges = RangeHasher(inline=True) if wants_ranges(len(header) + shard.nbytes) else None
+        ranges = RangeHasher(inline=True) if shard.ranges and wants_ranges(len(header) + shard.nbytes) else None
         trailing = TrailingHasher(partial, len(header), final_header, ranges)
         try:
             follow = FollowingReadBack(partial, len(header), entries, states)
@@ -501,7 +506,8 @@ def reusable_record(record_path: Path, final: Path, shard: ShardPlan, needs: str
     if recorded[3] != shard.fingerprint or final.stat().st_size != recorded[2]:
         return None
     stamp = FileStamp.of(final)
-    digest, ranges = file_digests(final, sha256_file)  # the ranges again, in the same pass: the record may predate them
+    # The ranges again, in the same pass (the record may predate them), where the plan takes them.
+    digest, ranges = file_digests(final, sha256_file, shard.ranges)
     if digest != recorded[1] or FileStamp.of(final) != stamp:
         return None
     return ShardRecord(file_name=recorded[0], sha256=recorded[1], size=recorded[2], tensors=tensors,
