@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import sys
@@ -26,6 +27,16 @@ os.environ["MERGEFLOW_LOCAL_SERVER"] = "0"
 # The remembered model schemas (mergeflow.architectures.schema.model_schema) of this run only, never the user's.
 os.environ["MERGEFLOW_CACHE_DIR"] = tempfile.mkdtemp(prefix="mergeflow-tests-cache-")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+# This process's own two directories go when it exits (each xdist worker imports this file and makes its own):
+# a suite run leaves nothing in the temp dir.
+_OWN_DIRS = (os.environ["PREFECT_HOME"], os.environ["MERGEFLOW_CACHE_DIR"])
+
+
+@atexit.register
+def _remove_own_dirs() -> None:
+    for path in _OWN_DIRS:
+        shutil.rmtree(path, ignore_errors=True)
+
 
 sys.path.insert(0, str(Path(__file__).parent))
 
