@@ -248,7 +248,8 @@ def test_a_native_minimax_h3_package_runs_its_transformer_as_the_actor_does(tmp_
     item = export(prefect_server, Exported(base, actor_dir, actor), tmp_path / "out", smoke=True, qkv_layout=qkv_layout)
     runtime = item.manifest["runtime"]
     assert item.manifest["artifact_type"] == "minimax_h3_pipeline" and runtime["status"] == "passed"
-    assert runtime["loaded_as"].startswith(f"MiniMaxH3Transformer3DModel via Diffusers' native converter (qkv_layout={qkv_layout}")
+    assert runtime["loaded_as"].startswith(
+        f"MiniMaxH3Transformer3DModel via Diffusers' native converter (qkv_layout={qkv_layout}")
     # The native weights, read back through Diffusers' converter in the declared row order, run as the actor
     # does: a wrong order (or a wrong rename) would run, finite, to another output.
     assert runtime["output"] == transformer_step(actor, "cpu", torch.float32)

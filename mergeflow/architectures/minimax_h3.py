@@ -136,6 +136,7 @@ def diffusers_config(native: Mapping[str, Any]) -> dict[str, Any]:
     out.update({name: native[field] for name, field in CONFIG_RENAMES.items()})
     return out
 
+
 def _normal(value: Any) -> Any:
     return [_normal(v) for v in value] if isinstance(value, (list, tuple)) else value
 

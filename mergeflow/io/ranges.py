@@ -166,14 +166,14 @@ def file_ranges(path: Path, range_size: int | None = None) -> FileRanges:
 
 
 def file_digests(path: Path, whole: Callable[[Path], str] = fs.sha256_file,
-                 ranges: bool = True) -> tuple[str, FileRanges | None]:
-    """A written file's sha256 and, when it is large (and `ranges`, the plan's choice), its ranges: both
+                 take_ranges: bool = True) -> tuple[str, FileRanges | None]:
+    """A written file's sha256 and, when it is large (and `take_ranges`, the plan's choice), its ranges: both
     passes at once, on two threads.
 
     For the writers whose file hash is a pass after writing (a GGUF file, a reused or copied file):
     the file is in the page cache, so the second reader costs a core, not the disk.
     """
-    if not ranges or not wants_ranges(path.stat().st_size):
+    if not take_ranges or not wants_ranges(path.stat().st_size):
         return whole(path), None
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256-ranges") as pool:
         ranges = pool.submit(file_ranges, path)

@@ -174,14 +174,16 @@ def _custom_pipeline(root: Path, trust_remote_code: bool) -> dict[str, Any]:
 
 
 def load_and_step(root: Path, manifest: Mapping[str, Any], device: str, dtype: Any, base: Path | None,
-                   trust_remote_code: bool, components: Mapping[str, Any] | None = None) -> tuple[str, str, dict[str, Any]]:
+                  trust_remote_code: bool,
+                  components: Mapping[str, Any] | None = None) -> tuple[str, str, dict[str, Any]]:
     import diffusers
 
     kind = manifest["artifact_type"]
     # Before the pipeline branch: the native package has a model_index.json that Diffusers cannot load.
     if kind == "minimax_h3_pipeline":
         model, loaded_as = load_minimax_h3_native(root, manifest, dtype)
-        return loaded_as, "transformer forward (the native package's transformer)", transformer_step(model.to(device), device, dtype)
+        return (loaded_as, "transformer forward (the native package's transformer)",
+                transformer_step(model.to(device), device, dtype))
     if (root / "model_index.json").is_file():
         pipe = diffusers.DiffusionPipeline.from_pretrained(str(root), torch_dtype=dtype, local_files_only=True,
                                                            trust_remote_code=trust_remote_code,
