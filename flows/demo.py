@@ -13,6 +13,9 @@ from mergeflow.config import ModelMergerConfig
 from mergeflow.flows.api import merge_model, validate_artifact
 
 DEMO_CLASS = "QwenImageTransformer2DModel"  # its tiny pipeline needs no sentencepiece and no download
+# Bumped when the demo's inputs change: inputs a demo of another version built are rebuilt (2: a transformer
+# its pipeline can run, for the printed `mergeflow smoke`).
+DEMO_INPUTS_VERSION = "2"
 
 
 def default_workdir() -> Path:
@@ -63,15 +66,21 @@ def demo_inputs(root: Path, world_size: int) -> tuple[Path, Path]:
     """The checkpoint and the base pipeline under `root`, built on the first demo and reused after."""
     actor_dir = root / "train" / "global_step_1" / "actor"
     base_dir = root / "base"
-    if (base_dir / "model_index.json").is_file() and (actor_dir / "fsdp_config.json").is_file():
+    version = root / "inputs-version"
+    if (base_dir / "model_index.json").is_file() and (actor_dir / "fsdp_config.json").is_file() \
+            and version.is_file() and version.read_text().strip() == DEMO_INPUTS_VERSION:
         return actor_dir, base_dir
     from diffusers import QwenImageTransformer2DModel
 
     from mergeflow.demo.checkpoints import build_demo_checkpoint
-    from mergeflow.demo.pipeline import build_qwenimage_base
+    from mergeflow.demo.pipeline import RUNNABLE_QWEN_IMAGE, build_qwenimage_base
 
     say(f"building a tiny {DEMO_CLASS} checkpoint (W={world_size}) and its base pipeline (once)")
-    demo = build_demo_checkpoint(root / "train", class_name=DEMO_CLASS, world_size=world_size)
+    for stale in (root / "train", base_dir):  # an earlier version's inputs: rebuilt, never mixed with new ones
+        if stale.exists():
+            shutil.rmtree(stale)
+    demo = build_demo_checkpoint(root / "train", class_name=DEMO_CLASS, world_size=world_size,
+                                 config_overrides=RUNNABLE_QWEN_IMAGE)
     transformer = QwenImageTransformer2DModel.from_pretrained(demo.base_dir, local_files_only=True)
     partial = root / "base.partial"  # model_index.json marks a finished base: a half-built one is redone
     if partial.exists():
@@ -80,6 +89,7 @@ def demo_inputs(root: Path, world_size: int) -> tuple[Path, Path]:
     if base_dir.exists():
         shutil.rmtree(base_dir)
     partial.rename(base_dir)
+    version.write_text(DEMO_INPUTS_VERSION + "\n")
     return demo.actor_dir, base_dir
 
 
@@ -93,12 +103,14 @@ def next_target(root: Path, kind: str = "pipeline") -> Path:
 
 
 def next_commands(actor_dir: Path, base_dir: Path, output: Path, transformer_target: Path) -> list[str]:
-    """Commands that run as printed: inspect the checkpoint, export again (transformer only), test the artifact."""
+    """Commands that run as printed: inspect the checkpoint, export again (transformer only), test the artifact,
+    run one denoising step of it."""
     return [
         quote("mergeflow", "inspect", "--local_dir", str(actor_dir)),
         quote("mergeflow", "merge", "--backend", "fsdp", "--local_dir", str(actor_dir), "--base_model", str(base_dir),
               "--target_dir", str(transformer_target), "--output_format", "transformer"),
         quote("mergeflow", "test", "--backend", "fsdp", "--test_hf_dir", str(output)),
+        quote("mergeflow", "smoke", "--test_hf_dir", str(output)),
     ]
 
 

@@ -136,10 +136,13 @@ def test_demo_leads_somewhere(tmp_path: Path, env: dict[str, str]) -> None:
     assert f"mergeflow demo: this export in the Prefect UI: {link}" in proc.stderr.splitlines()
     lines = proc.stderr.splitlines()
     commands = [shlex.split(line.split("mergeflow demo:   ", 1)[1]) for line in lines if line.startswith("mergeflow demo:   ")]
-    assert [c[:2] for c in commands] == [["mergeflow", "inspect"], ["mergeflow", "merge"], ["mergeflow", "test"]]
+    assert [c[:2] for c in commands] == [["mergeflow", "inspect"], ["mergeflow", "merge"], ["mergeflow", "test"],
+                                         ["mergeflow", "smoke"]]
     for argv in commands:  # each runs as printed, and the new target did not exist before
         run = run_cli(argv[1:], env)
         assert run.returncode == 0, (argv, run.stderr)
+    # The demo's pipeline runs: its one-step runtime check passed (the last command's JSON line).
+    assert json.loads(run.stdout.strip().splitlines()[-1])["status"] == "passed"
     assert (demo_dir / "exports" / "transformer-1" / "config.json").is_file()
     # A second demo reuses the checkpoint, keeps the first export and exports to the next target.
     second = run_cli(["demo"], env)
@@ -147,6 +150,10 @@ def test_demo_leads_somewhere(tmp_path: Path, env: dict[str, str]) -> None:
     assert json.loads(second.stdout.strip().splitlines()[-1])["output_dir"] == str(demo_dir / "exports" / "pipeline-2")
     assert "building a tiny" not in second.stderr and (output / "merge_manifest.json").is_file()
     assert "transformer-2" in second.stderr  # its printed merge names a target that does not exist yet
+    # Inputs an earlier version of the demo built (no version mark) are rebuilt, not reused.
+    (demo_dir / "inputs-version").unlink()
+    third = run_cli(["demo"], env)
+    assert third.returncode == 0 and "building a tiny" in third.stderr, third.stderr
 
 
 def test_every_reference_flag_is_accepted() -> None:

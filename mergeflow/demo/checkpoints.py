@@ -13,6 +13,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -198,11 +199,12 @@ def save_base_transformer(
 
 
 def build_demo_checkpoint(
-    root: Path, *, class_name: str = "FluxTransformer2DModel", world_size: int = 4
+    root: Path, *, class_name: str = "FluxTransformer2DModel", world_size: int = 4,
+    config_overrides: dict[str, Any] | None = None,
 ) -> DemoCheckpoint:
     """Write a tiny base (`root/base`) and its perturbed FSDP2 actor (`root/global_step_1/actor`)."""
     root = Path(root)
-    base = build_transformer(class_name, seed=0)
+    base = build_transformer(class_name, seed=0, config_overrides=config_overrides)
     base_dir = save_base_transformer(base, root / "base")
     actor = copy.deepcopy(base)
     perturb_(actor, seed=1)

@@ -46,6 +46,15 @@ def saves_by_copying(component: Any, folder: Path) -> Any:
     return component
 
 
+# The tiny Qwen-Image transformer this pipeline's VAE and text encoder run with (`mergeflow smoke` runs
+# one step of it): 2x2 patches of a 4-channel latent in, the latent's 4 channels out, and rotary axes
+# that fill the attention head. The suite's smallest default config loads but does not run here.
+RUNNABLE_QWEN_IMAGE: dict[str, Any] = {
+    "patch_size": 2, "in_channels": 16, "out_channels": 4, "num_layers": 2, "attention_head_dim": 16,
+    "num_attention_heads": 2, "joint_attention_dim": 16, "axes_dims_rope": (8, 4, 4),
+}
+
+
 def build_qwenimage_base(root: Path, transformer: Any) -> Path:
     """Write a tiny QwenImagePipeline (tokenizer, Qwen2.5-VL text encoder, VAE, scheduler) around ``transformer``."""
     from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
