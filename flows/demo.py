@@ -86,9 +86,7 @@ def demo_inputs(root: Path, world_size: int) -> tuple[Path, Path]:
     if partial.exists():
         shutil.rmtree(partial)
     build_qwenimage_base(partial, transformer)
-    if base_dir.exists():
-        shutil.rmtree(base_dir)
-    partial.rename(base_dir)
+    partial.rename(base_dir)  # removed above with the other inputs
     version.write_text(DEMO_INPUTS_VERSION + "\n")
     return demo.actor_dir, base_dir
 
