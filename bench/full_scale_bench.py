@@ -28,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -36,7 +36,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import flux_full_scale as gen  # noqa: E402
-from measure import floor_seconds, status_kb  # noqa: E402
+from measure import floor_seconds, status_kb, traffic  # noqa: E402
 from server import prefect_api  # noqa: E402
 
 SAMPLE_S = 0.05
@@ -175,7 +175,9 @@ def main() -> int:
         raise SystemExit(f"{free / 1e9:.1f} GB free under {root}; the export needs ~{(checkpoint.tensor_bytes + MARGIN) / 1e9:.0f} GB")
 
     dropped = drop_caches()
+    before = traffic(root)
     floor_s = floor_seconds(files, root / "floor.bin")
+    floor_traffic = traffic(root) - before
     os.sync()
 
     with prefect_api() as api_env:
@@ -185,7 +187,9 @@ def main() -> int:
                  "--target_dir", str(target), "--output_format", "transformer", *args.merge_args]
         dropped = drop_caches() and dropped
         cached_before = cached_bytes()
+        before = traffic(root)
         export_s, rc, peaks = run_measured(merge, env, root / "export.log")
+        export_traffic = traffic(root) - before
         if rc != 0:
             print((root / "export.log").read_text(errors="replace")[-4000:], file=sys.stderr)
             shutil.rmtree(target, ignore_errors=True)
@@ -214,6 +218,10 @@ def main() -> int:
         ("write MB/s (output / export_s)", f"{out_bytes / export_s / 1e6:.0f}"),
         ("read MB/s (rank files / export_s)", f"{rank_bytes / export_s / 1e6:.0f}"),
         ("floor MB/s (rank files / floor_s)", f"{rank_bytes / floor_s / 1e6:.0f}"),
+        # Where a ratio moves between runs: the disk's bytes (a page read twice is read twice) and whether
+        # the cores or the kernel's I/O path were the limit (whole machine, during each stretch).
+        ("floor: machine during it", floor_traffic.summary()),
+        ("export: machine during it", export_traffic.summary()),
         ("test_s (mergeflow test)", f"{test_s:.1f}" + ("" if test_rc == 0 else f" FAILED rc={test_rc}")),
         ("test peak private MiB", f"{test_peaks.anon_kb / 1024:.0f}"),
     ]
@@ -224,7 +232,8 @@ def main() -> int:
                       "generate_s": generate_s, "caches_dropped": dropped, "floor_s": floor_s, "export_s": export_s,
                       "ratio": export_s / floor_s, "peak_private_mib": peaks.anon_kb / 1024,
                       "peak_private_tree_mib": peaks.tree_anon_kb / 1024, "peak_rss_mib": peaks.rss_kb / 1024,
-                      "test_s": test_s, "test_rc": test_rc, "samples": peaks.samples}))
+                      "test_s": test_s, "test_rc": test_rc, "samples": peaks.samples,
+                      "floor_traffic": asdict(floor_traffic), "export_traffic": asdict(export_traffic)}))
     return 0 if test_rc == 0 else 1
 
 

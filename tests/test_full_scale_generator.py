@@ -212,3 +212,19 @@ def test_mergeflow_exports_and_validates_a_generated_checkpoint(tmp_path: Path, 
     assert set(exported) == {s.name for s in specs}
     for spec in specs:
         assert torch.equal(exported[spec.name].view(torch.uint8), source.full(spec).view(torch.uint8)), spec.name
+
+
+def test_the_bench_s_traffic_counts_the_disk_s_bytes_and_the_kernel_s_time(tmp_path: Path) -> None:
+    """bench/measure.traffic: what full_scale_bench prints for the floor and the export (machine-wide counters)."""
+    from measure import traffic
+
+    before = traffic(tmp_path)
+    data = os.urandom(16 * 2**20)
+    with open(tmp_path / "written.bin", "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())  # on the disk now: its sectors are counted as written
+    spent = traffic(tmp_path) - before
+    assert spent.disk_written >= len(data), spent
+    assert spent.system_s > 0 and spent.user_s >= 0, spent  # urandom and the write run in the kernel
+    assert "written" in spent.summary() and "kernel" in spent.summary()
