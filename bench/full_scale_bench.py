@@ -36,8 +36,9 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import flux_full_scale as gen  # noqa: E402
-from measure import floor_seconds, status_kb, traffic  # noqa: E402
+from measure import floor_seconds, status_kb  # noqa: E402
 from server import prefect_api  # noqa: E402
+from system_state import traffic  # noqa: E402
 
 SAMPLE_S = 0.05
 MARGIN = 2 * 10**9  # staging, manifest, Prefect's results and the filesystem's own needs

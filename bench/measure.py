@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 BLOCK = 16 * 1024 * 1024
@@ -68,43 +67,3 @@ def settle(seconds: float = 1.0) -> None:
     time.sleep(seconds)
     os.sync()
 
-
-@dataclass
-class Traffic:
-    """What a stretch of time cost the machine: the disk's bytes read and written, and CPU seconds in user
-    code and in the kernel (all processes, kernel threads included), from /sys and /proc/stat counters."""
-
-    disk_read: int = 0
-    disk_written: int = 0
-    user_s: float = 0.0
-    system_s: float = 0.0  # system + irq + softirq: the kernel's share
-
-    def __sub__(self, other: Traffic) -> Traffic:
-        return Traffic(self.disk_read - other.disk_read, self.disk_written - other.disk_written,
-                       self.user_s - other.user_s, self.system_s - other.system_s)
-
-    def summary(self) -> str:
-        return (f"disk read {self.disk_read / 1e9:.1f} GB, written {self.disk_written / 1e9:.1f} GB; "
-                f"CPU user {self.user_s:.0f} s, kernel {self.system_s:.0f} s")
-
-
-def traffic(path: Path) -> Traffic:
-    """The counters now, for the whole disk that holds `path` (0 where /sys or /proc cannot be read)."""
-    read = written = 0
-    dev = os.stat(path).st_dev
-    block = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
-    try:
-        stat_file = block / "stat" if not (block / "partition").exists() else block.resolve().parent / "stat"
-        fields = stat_file.read_text().split()
-        read, written = int(fields[2]) * 512, int(fields[6]) * 512  # sectors of 512 bytes, whatever the device's
-    except (OSError, IndexError, ValueError):
-        pass
-    user = system = 0.0
-    try:
-        with open("/proc/stat") as fh:
-            ticks = [int(x) for x in fh.readline().split()[1:8]]
-        hz = os.sysconf("SC_CLK_TCK")
-        user, system = (ticks[0] + ticks[1]) / hz, (ticks[2] + ticks[5] + ticks[6]) / hz
-    except (OSError, ValueError, IndexError):
-        pass
-    return Traffic(read, written, user, system)

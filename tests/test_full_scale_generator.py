@@ -215,8 +215,8 @@ def test_mergeflow_exports_and_validates_a_generated_checkpoint(tmp_path: Path, 
 
 
 def test_the_bench_s_traffic_counts_the_disk_s_bytes_and_the_kernel_s_time(tmp_path: Path) -> None:
-    """bench/measure.traffic: what full_scale_bench prints for the floor and the export (machine-wide counters)."""
-    from measure import traffic
+    """bench/system_state.traffic: what full_scale_bench prints for the floor and the export (machine-wide counters)."""
+    from system_state import traffic
 
     before = traffic(tmp_path)
     data = os.urandom(16 * 2**20)
