@@ -16,6 +16,11 @@ servers (one round = one run on each) so load on this shared machine favours non
     python bench/fixed_cost.py                 # 5 rounds, all three servers
     python bench/fixed_cost.py --servers local plain --rounds 9
     python bench/fixed_cost.py --preset real-depth --rounds 3   # the same split at FLUX.1's depth (5.3 GB)
+    python bench/fixed_cost.py --resident      # each server also with `mergeflow resident start` done first
+
+With --resident each server gets a second row, `<server>+resident`: the same command in the same
+environment, handed to a resident process (mergeflow.ops.resident) that imported torch and Prefect
+before the rounds began; the bench checks from the resident's own count that it served every one.
 
 At real depth `before` also holds the pre-flight (the checks that need no tensor data, and starting to hash
 the rank files on the core that the imports leave idle) and `flow` the export itself.
@@ -143,12 +148,30 @@ def _timestamp(value: str) -> float:
     return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
 
 
+def _full_env(env: dict[str, str]) -> dict[str, str]:
+    full = _plain_env(Path(env["PREFECT_HOME"]))
+    full.update(env)
+    return full
+
+
+def _resident(env: dict[str, str], command: str) -> dict[str, Any]:
+    result = subprocess.run([sys.executable, "-m", "mergeflow", "resident", command], env=_full_env(env),
+                            capture_output=True, text=True, check=False, cwd=env["TMPDIR"])
+    if result.returncode != 0:
+        raise RuntimeError(f"mergeflow resident {command} failed: {result.stderr[-2000:]}")
+    return json.loads(result.stdout)  # type: ignore[no-any-return]
+
+
+def served_count(env: dict[str, str]) -> int:
+    mine = [r for r in _resident(env, "status")["residents"] if r["serves_this_environment"]]
+    return int(mine[0]["served"]) if mine else 0
+
+
 def one_merge(actor: Path, base: Path, target: Path, env: dict[str, str]) -> dict[str, float]:
     """One whole `mergeflow merge`, split by the flow run's recorded start and end."""
     import httpx
 
-    full = _plain_env(Path(env["PREFECT_HOME"]))
-    full.update(env)
+    full = _full_env(env)
     command = [sys.executable, "-m", "mergeflow", "merge", "--backend", "fsdp", "--local_dir", str(actor),
                "--base_model", str(base), "--target_dir", str(target), "--output_format", "transformer"]
     before_usage = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -188,12 +211,22 @@ def main() -> None:
     parser.add_argument("--preset", choices=["tiny", "real-depth"], default="tiny",
                         help="tiny: ~5 MB, W=2; real-depth: bench/checkpoints.py's FLUX.1-depth preset (5.3 GB)")
     parser.add_argument("--root", default=tempfile.gettempdir())
+    parser.add_argument("--resident", action="store_true", help="also each server with a resident process")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="mergeflow-fixed-cost-", dir=args.root))
     try:
         actor, base = _checkpoint(root / "ckpt", args.preset)
-        runs: dict[str, list[dict[str, float]]] = {name: [] for name in args.servers}
-        with servers(root, args.servers) as envs:
+        runs: dict[str, list[dict[str, float]]] = {}
+        with servers(root, args.servers) as server_envs:
+            envs = dict(server_envs)
+            if args.resident:
+                for name, env in server_envs.items():
+                    # Its own TMPDIR, so the socket directory is the bench's; the rows without stay cold.
+                    tmp = root / name / "t"
+                    tmp.mkdir()
+                    envs[f"{name}+resident"] = served_env = {**env, "TMPDIR": str(tmp)}
+                    _resident(served_env, "start")
+            runs = {name: [] for name in envs}
             for name, env in envs.items():  # a first run each: the server's first flow run creates its rows
                 one_merge(actor, base, root / f"warm-{name}", env)
             for round_ in range(args.rounds):
@@ -201,8 +234,12 @@ def main() -> None:
                     runs[name].append(one_merge(actor, base, root / f"out-{name}-{round_}", env))
                     print(json.dumps({"server": name, **{k: round(v, 3) for k, v in runs[name][-1].items()}}),
                           file=sys.stderr, flush=True)
+            served = {name: served_count(env) for name, env in envs.items() if name.endswith("+resident")}
+            for name, env in envs.items():
+                if name.endswith("+resident"):
+                    _resident(env, "stop")
         report: dict[str, Any] = {"preset": args.preset, "cpus": os.cpu_count(), "rounds": args.rounds,
-                                  "median_s": {}}
+                                  "served_by_the_resident": served, "median_s": {}}
         for name, measured in runs.items():
             report["median_s"][name] = {key: round(statistics.median(run[key] for run in measured), 2)
                                         for key in ("wall", "before", "flow", "after", "outside", "cpu")}

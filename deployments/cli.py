@@ -12,6 +12,7 @@ import argparse
 import atexit
 import gc
 import os
+import signal
 import sys
 import threading
 from typing import NoReturn, TypedDict
@@ -27,6 +28,7 @@ from mergeflow.config import (
     QUANTIZATIONS,
     SIGN_KEY_ENV,
 )
+from mergeflow.deployments.resident import add_resident_command, cmd_resident, hand_over_to_resident
 from mergeflow.flows import cli
 from mergeflow.flows.ops_cli import add_smoke_flags, add_task_runner_flags
 from mergeflow.ops.serve_settings import ServeSettings
@@ -96,20 +98,58 @@ def cmd_serve(args: argparse.Namespace) -> ServeResult:
     return {"served": served_names(), "stopped": True}
 
 
-SERVE = cli.Verbs(add=add_serve_command, commands={"serve": cmd_serve})
+def _add_verbs(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    add_serve_command(sub)
+    add_resident_command(sub)
+
+
+VERBS = cli.Verbs(add=_add_verbs, commands={"serve": cmd_serve, "resident": cmd_resident})
 
 
 def build_parser() -> argparse.ArgumentParser:
-    return cli.build_parser(SERVE)
+    return cli.build_parser(VERBS)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; its exit status (what tests call in-process)."""
-    return cli.main(argv, SERVE)
+    return cli.main(argv, VERBS)
 
 
 def entry() -> NoReturn:
-    """The console script `mergeflow` and `python -m mergeflow`: a whole process, which ends here."""
+    """The console script `mergeflow` and `python -m mergeflow`: a whole process, which ends here.
+
+    Where a resident process serves this environment (`mergeflow resident start`), the command runs
+    there, forked from an interpreter that has already imported torch and Prefect, and this process
+    ends as it ended; otherwise it runs here.
+    """
+    hand_over_to_resident(sys.argv)  # returns only where no resident serves this command
+    run_command()
+
+
+def served_command() -> NoReturn:
+    """A command in a resident's forked child: entry() without the hand-off, ending as Python would for
+    whatever escapes it (argparse's SystemExit for --help or a bad flag, an uncaught Ctrl-C)."""
+    try:
+        run_command()
+    except SystemExit as exc:
+        code = exc.code
+        if code is not None and not isinstance(code, int):
+            print(code, file=sys.stderr)
+        end_process(1 if code is not None and not isinstance(code, int) else code or 0)
+    except KeyboardInterrupt:
+        import traceback
+
+        traceback.print_exc()
+        end_process(130, by_signal=signal.SIGINT)  # Python's own end for an uncaught KeyboardInterrupt
+    except BaseException:  # noqa: BLE001 (as an uncaught exception ends a cold command)
+        import traceback
+
+        traceback.print_exc()
+        end_process(1)
+
+
+def run_command() -> NoReturn:
+    """Run the command of sys.argv in this process and end it."""
     # Importing torch and Prefect allocates a few million objects that live until the end; at
     # Python's default thresholds (700, 10, 10) that triggers five full collections of a growing
     # heap (0.5-0.9 s of a tiny merge's CPU) that find nothing. A larger first generation still
@@ -122,7 +162,7 @@ def entry() -> NoReturn:
     end_process(code)
 
 
-def end_process(code: int) -> NoReturn:
+def end_process(code: int, by_signal: int | None = None) -> NoReturn:
     """Exit with `code` after everything that Python's exit does and anyone can observe, without
     tearing the heap down object by object.
 
@@ -144,4 +184,7 @@ def end_process(code: int) -> NoReturn:
             stream.flush()
         except (OSError, ValueError):  # a closed pipe: Python's exit status for an unflushable stdout
             code = code or 120
+    if by_signal is not None:
+        signal.signal(by_signal, signal.SIG_DFL)
+        os.kill(os.getpid(), by_signal)
     os._exit(code)

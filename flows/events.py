@@ -64,6 +64,12 @@ def use_prefect_api(command: str | None = None, *, own_server: bool = True, stre
                          "turns off the local background server they would share: set PREFECT_API_URL to serve's API")
     background = local_server.ensure_local_server(out)
     own = None if background is not None else local_server.ensure_command_server()
+    if "prefect.context" in sys.modules:
+        # Imported already (a command forked from a resident process): Prefect read its settings then,
+        # before PREFECT_API_URL was set just above. Its own refresh makes it read them again.
+        from prefect.context import refresh_global_settings_context
+
+        refresh_global_settings_context()
     if background is not None:
         api_url = background.api_url
         which = f"mergeflow's local background Prefect server at {api_url} (UI {background.ui_url}; mergeflow server stop ends it)"

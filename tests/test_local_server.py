@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import httpx
 from builders import Export, clone_export
@@ -67,6 +70,8 @@ def test_second_merge_reuses_the_background_server(tmp_path: Path, pristine_flux
             run = httpx.get(f"{state['api_url']}/flow_runs/{match.group(4)}", timeout=10).json()
             assert run["name"] == match.group(1) and run["state_type"] == "COMPLETED"
 
+        served_by_a_resident(env, [*merge, str(tmp_path / "out3")], state)
+
         status = mergeflow(["server", "status"], env)
         reported = json.loads(status.stdout.strip().splitlines()[-1])
         assert reported["running"] is True and reported["ui_url"] == f"http://127.0.0.1:{state['port']}", status.stderr
@@ -83,6 +88,36 @@ def test_second_merge_reuses_the_background_server(tmp_path: Path, pristine_flux
         assert again.returncode == 0 and json.loads(again.stdout.strip().splitlines()[-1])["stopped"] is False
     finally:
         local_server.stop_local_server(home)  # whatever failed above, no server outlives the test
+
+
+def served_by_a_resident(env: dict[str, str], merge: list[str], state: dict[str, Any]) -> None:
+    """The local server's users (no PREFECT_API_URL) with a resident: the resident imported Prefect before
+    any command chose this server, so each forked command must make Prefect read its settings again."""
+    tmp = tempfile.mkdtemp(prefix="mfr-", dir="/tmp")  # a socket's path must stay under 107 bytes
+    renv = {**env, "TMPDIR": tmp}
+    try:
+        assert mergeflow(["resident", "start"], renv).returncode == 0
+        third = mergeflow(merge, renv)
+        assert third.returncode == 0, third.stderr
+        link = LINK.search(third.stderr)
+        assert link is not None and int(link.group(3)) == state["port"], third.stderr
+        run = httpx.get(f"{state['api_url']}/flow_runs/{link.group(4)}", timeout=10).json()
+        assert run["state_type"] == "COMPLETED"
+        # watch says which server it uses, and checks it answers, through Prefect's own client.
+        train = Path(tmp) / "train"
+        train.mkdir()
+        watch = subprocess.Popen([sys.executable, "-m", "mergeflow", "watch", str(train)], env=renv, cwd=tmp,
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert watch.stderr is not None
+        line = watch.stderr.readline()
+        assert f"watch uses mergeflow's local background Prefect server at {state['api_url']}" in line, line
+        watch.terminate()
+        watch.communicate(timeout=60)
+        status = json.loads(mergeflow(["resident", "status"], renv).stdout)["residents"]
+        assert [r["served"] for r in status if r["serves_this_environment"]] == [2]
+    finally:
+        mergeflow(["resident", "stop", "--all"], renv)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_opt_out_and_a_configured_api_start_no_server(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]

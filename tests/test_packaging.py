@@ -33,6 +33,12 @@ def _product_sources() -> list[Path]:
     return sorted(p for root in roots for p in root.rglob("*.py") if "__pycache__" not in p.parts)
 
 
+# The only places a process may signal itself: to end the way a command it stands for ended (a resident's
+# caller dying of the signal that killed its forked command; a forked command ending as Python does on an
+# uncaught Ctrl-C). Neither reads anything from the environment: the signal is one the process was given.
+_ENDS_BY_A_SIGNAL_IT_WAS_GIVEN = {("deployments/cli.py", "end_process"), ("mergeflow/ops/resident_client.py", "_end_as")}
+
+
 def test_the_package_carries_no_fault_hooks() -> None:
     """Faults are injected from outside the product (tests/syscall_faults.py): no module of the package
     reads a fault or test switch from the environment, signals its own process, or imports a faults module."""
@@ -43,12 +49,15 @@ def test_the_package_carries_no_fault_hooks() -> None:
     found = []
     for path in sources:
         rel = path.relative_to(REPO)
-        for node in ast.walk(ast.parse(path.read_text(), str(rel))):
+        tree = ast.parse(path.read_text(), str(rel))
+        allowed = {id(call) for fn in ast.walk(tree) if isinstance(fn, ast.FunctionDef)
+                   and (rel.as_posix(), fn.name) in _ENDS_BY_A_SIGNAL_IT_WAS_GIVEN for call in ast.walk(fn)}
+        for node in ast.walk(tree):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) \
                     and re.search(r"(^|_)FAULTS?(_|$)|MERGEFLOW_TEST|(^|_)HOOKS?(_|$)", node.value):
                 found.append(f"{rel}:{node.lineno}: environment name {node.value!r}")
             if isinstance(node, ast.Call) and ast.unparse(node.func) in ("os.kill", "os.killpg", "signal.raise_signal") \
-                    and "getpid" in ast.unparse(node):
+                    and "getpid" in ast.unparse(node) and id(node) not in allowed:
                 found.append(f"{rel}:{node.lineno}: signals its own process: {ast.unparse(node)}")
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
