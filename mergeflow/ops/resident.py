@@ -42,6 +42,8 @@ from typing import Any, TypedDict
 from mergeflow.errors import UsageError
 
 OPT_OUT_VAR = "MERGEFLOW_RESIDENT"  # =0: every command starts cold, even where a resident would serve it
+# pidfd_open, SO_PEERCRED, sched_getaffinity: Linux's. Elsewhere there is no resident, and every command starts cold.
+LINUX = sys.platform.startswith("linux")
 MESSAGE = 1 << 20  # the largest message either side sends (a request carries the whole environment)
 SOCKET_PATH_MAX = 107  # sun_path's 108 bytes, one for the terminating NUL
 # Variables no module the resident imports reads at import time (see the module's docstring).

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
-from mergeflow.ops.resident import MESSAGE, OPT_OUT_VAR, private_socket_dir, resident_key, socket_path
+from mergeflow.ops.resident import LINUX, MESSAGE, OPT_OUT_VAR, private_socket_dir, resident_key, socket_path
 
 CONNECT_TIMEOUT_S = 5.0
 # Signals a command gets from its terminal or its supervisor, passed on to the served child.
@@ -24,7 +24,7 @@ def hand_over(argv: list[str], env: Mapping[str, str], import_env: Mapping[str, 
 
     `env`: the environment the command runs with; `import_env`: the one it would import Prefect under.
     """
-    if env.get(OPT_OUT_VAR) == "0" or not hasattr(socket, "send_fds"):
+    if env.get(OPT_OUT_VAR) == "0" or not LINUX:
         return None
     directory = private_socket_dir(create=False)
     if directory is None:

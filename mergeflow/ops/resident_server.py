@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from mergeflow.ops.resident import (
+    LINUX,
     MESSAGE,
     SOCKET_PATH_MAX,
     ResidentError,
@@ -269,7 +270,7 @@ def shadowing(path0: str, imported_roots: Iterable[str]) -> str | None:
             module = sys.modules.get(root)
             origin = getattr(module, "__file__", None) or next(iter(getattr(module, "__path__", []) or []), None)
             here = os.path.realpath(os.path.join(path0 or ".", candidate))
-            if origin is None or not os.path.realpath(origin).startswith(here):
+            if origin is None or not (os.path.realpath(origin) + os.sep).startswith(here + os.sep):
                 return candidate
     return None
 
@@ -323,6 +324,8 @@ def run_resident(import_env_of: Callable[[Mapping[str, str]], Mapping[str, str]]
     """
     import importlib
 
+    if not LINUX:
+        raise ResidentError(f"a resident process needs Linux (pidfd_open, SO_PEERCRED), not {sys.platform}")
     import_env = import_env_of(os.environ)
     key = resident_key(import_env)  # before importing more, as a command computes it when it starts
     # Where it will listen, checked before the imports: a refusal costs no seconds of them.
