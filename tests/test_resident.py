@@ -272,3 +272,30 @@ def test_one_resident_per_environment(short_tmp: Path) -> None:
         first.terminate()
         assert first.wait(timeout=30) == 0
 
+
+
+def test_a_request_it_cannot_read_is_refused_and_the_resident_serves_on(short_tmp: Path) -> None:
+    import socket
+
+    proc, path = _bare_resident(short_tmp, 600.0)
+    try:
+        key = json.loads(_ask(path, {"op": "status"}))["key"]
+        for request in ({"op": "run"}, {"op": "run", "key": key}, {"op": "run", "key": key, "env": "not a mapping"}):
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            conn.connect(str(path))
+            socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
+            assert "refused" in json.loads(conn.recv(1 << 20)), request
+            conn.close()
+        assert json.loads(_ask(path, {"op": "status"}))["served"] == 0
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+
+
+def _ask(path: Path, request: dict[str, object]) -> bytes:
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
+        conn.connect(str(path))
+        conn.send(json.dumps(request).encode())
+        return conn.recv(1 << 20)

@@ -141,7 +141,10 @@ class Resident:
 
     def _run(self, sel: selectors.BaseSelector, listener: socket.socket, conn: socket.socket,
              request: dict[str, Any], fds: list[int]) -> None:
-        refusal = self._refusal(request)
+        try:
+            refusal = self._refusal(request)
+        except (KeyError, TypeError, ValueError, OSError) as exc:  # a malformed request ends no one's resident
+            refusal = f"a request it cannot read ({type(exc).__name__})"
         pid = -1
         if refusal is None:
             try:
