@@ -53,7 +53,7 @@ def hand_over_to_resident(argv: list[str]) -> None:
 def add_resident_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Register `resident` on the main parser's subcommands."""
     text = ("a resident process that has imported torch and Prefect: later commands of this same environment "
-            "fork from it instead of importing them (2-4 s each)")
+            "fork from it instead of importing them (2-5 s each)")
     resident = sub.add_parser("resident", help=text, description=text)
     resident.add_argument("action", choices=["status", "start", "stop"], help="what to do with it")
     resident.add_argument("--idle-minutes", "--idle_minutes", dest="idle_minutes", type=float, default=DEFAULT_IDLE_MINUTES,
