@@ -131,11 +131,11 @@ def served_command() -> NoReturn:
     whatever escapes it (argparse's SystemExit for --help or a bad flag, an uncaught Ctrl-C)."""
     try:
         run_command()
-    except SystemExit as exc:
-        code = exc.code
-        if code is not None and not isinstance(code, int):
-            print(code, file=sys.stderr)
-        end_process(1 if code is not None and not isinstance(code, int) else code or 0)
+    except SystemExit as exc:  # as Python ends on one: None is 0, an int is the status, anything else is printed
+        if exc.code is None or isinstance(exc.code, int):
+            end_process(exc.code or 0)
+        print(exc.code, file=sys.stderr)
+        end_process(1)
     except KeyboardInterrupt:
         import traceback
 

@@ -90,11 +90,11 @@ def cmd_resident(args: argparse.Namespace) -> ResidentList | ResidentStarted | R
             raise ResidentError(f"--idle-minutes must be positive, got {args.idle_minutes}")
         return start_resident(key, args.idle_minutes)
     if args.action == "stop":
+        directory = private_socket_dir(create=False)
         stopped = []
-        for each in residents(key):
+        for each in residents(key) if directory is not None else []:
             if args.all or each["serves_this_environment"]:
-                directory = private_socket_dir(create=False)
-                answer = ask(directory / each["socket"], "stop") if directory is not None else None
+                answer = ask(directory / each["socket"], "stop")
                 if answer is not None:
                     stopped.append(int(answer["pid"]))
         return {"stopped": stopped}
