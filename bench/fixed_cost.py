@@ -179,6 +179,7 @@ def one_merge(actor: Path, base: Path, target: Path, env: dict[str, str]) -> dic
     result = subprocess.run(command, env=full, capture_output=True, text=True, check=False)
     ended = time.time()
     after_usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    shutil.rmtree(target, ignore_errors=True)  # 5.3 GB each at real depth: 24 runs would not fit on the disk
     if result.returncode != 0:
         raise RuntimeError(f"merge failed ({result.returncode}): {result.stderr[-2000:]}")
     match = RUN_ID.search(result.stderr)
@@ -217,7 +218,7 @@ def main() -> None:
     try:
         actor, base = _checkpoint(root / "ckpt", args.preset)
         runs: dict[str, list[dict[str, float]]] = {}
-        with servers(root, args.servers) as server_envs:
+        with servers(root, args.servers) as server_envs, contextlib.ExitStack() as residents:
             envs = dict(server_envs)
             if args.resident:
                 for name, env in server_envs.items():
@@ -226,6 +227,7 @@ def main() -> None:
                     tmp.mkdir()
                     envs[f"{name}+resident"] = served_env = {**env, "TMPDIR": str(tmp)}
                     _resident(served_env, "start")
+                    residents.callback(_resident, served_env, "stop")  # a failed round stops it too
             runs = {name: [] for name in envs}
             for name, env in envs.items():  # a first run each: the server's first flow run creates its rows
                 one_merge(actor, base, root / f"warm-{name}", env)
@@ -235,9 +237,6 @@ def main() -> None:
                     print(json.dumps({"server": name, **{k: round(v, 3) for k, v in runs[name][-1].items()}}),
                           file=sys.stderr, flush=True)
             served = {name: served_count(env) for name, env in envs.items() if name.endswith("+resident")}
-            for name, env in envs.items():
-                if name.endswith("+resident"):
-                    _resident(env, "stop")
         report: dict[str, Any] = {"preset": args.preset, "cpus": os.cpu_count(), "rounds": args.rounds,
                                   "served_by_the_resident": served, "median_s": {}}
         for name, measured in runs.items():
