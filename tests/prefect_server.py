@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mergeflow.ops.local_server import RECORDER_BATCHING, healthy
 
@@ -55,18 +56,10 @@ class PrefectServer:
         """Point this process's Prefect settings at the server for the duration of the block."""
         # Prefect reads the environment once at import; a settings context is the
         # supported way to change PREFECT_API_URL inside a running process.
-        from prefect.settings import (
-            PREFECT_API_SSL_CERT_FILE,
-            PREFECT_API_URL,
-            PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
-            temporary_settings,
-        )
+        import prefect.context
 
-        # No flow-run heartbeats in-process: each would be one more event per run to the shared
-        # server, and only tests/test_heartbeats.py needs them (it turns them on). The CLI
-        # subprocesses run with Prefect's default (a heartbeat every 180 s), as users do.
-        with temporary_settings(updates={PREFECT_API_URL: self.api_url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None,
-                                         PREFECT_API_SSL_CERT_FILE: str(_one_certificate())}):
+        current = prefect.context.get_settings_context()
+        with prefect.context.SettingsContext(profile=current.profile, settings=_pointed_at(current.settings, self.api_url)):
             yield
 
     def log_tail(self, chars: int = 4000) -> str:
@@ -75,6 +68,29 @@ class PrefectServer:
             return self.log_path.read_text(errors="replace")[-chars:]
         except OSError:
             return ""
+
+
+_LAST_POINTED: list[tuple[Any, str, Any]] = []  # (settings, api_url, those settings pointed at it): the last one
+
+
+def _pointed_at(settings: Any, api_url: str) -> Any:
+    """`settings` with the API URL, no in-process heartbeats and the one-certificate CA file.
+
+    What `temporary_settings(updates=...)` would build, built once: validating a whole Settings copy took
+    ~20 ms, and most tests enter this (the prefect_api fixture), always from the same settings. The cached
+    entry holds `settings` itself, so an `is` test cannot match another object that reused its id.
+    """
+    if _LAST_POINTED and _LAST_POINTED[0][0] is settings and _LAST_POINTED[0][1] == api_url:
+        return _LAST_POINTED[0][2]
+    from prefect.settings import PREFECT_API_SSL_CERT_FILE, PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY
+
+    # No flow-run heartbeats in-process: each would be one more event per run to the shared
+    # server, and only tests/test_heartbeats.py needs them (it turns them on). The CLI
+    # subprocesses run with Prefect's default (a heartbeat every 180 s), as users do.
+    pointed = settings.copy_with_update(updates={PREFECT_API_URL: api_url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None,
+                                                 PREFECT_API_SSL_CERT_FILE: str(_one_certificate())})
+    _LAST_POINTED[:] = [(settings, api_url, pointed)]
+    return pointed
 
 
 @functools.cache
