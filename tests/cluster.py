@@ -264,6 +264,12 @@ class Cluster:
         env["PREFECT_API_URL"] = self.api_url
         env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
         env["PREFECT_LOGGING_LEVEL"] = "WARNING"
+        # Temporary files inside the cluster's root, which goes with it: a worker killed with kill -9 (as the
+        # test kills one) cannot remove the prefect-workspace-attempt-* directory Prefect made for each of
+        # its runs, and they were left in /tmp after every suite run.
+        scratch = self.root / "tmp"
+        scratch.mkdir(parents=True, exist_ok=True)
+        env["TMPDIR"] = str(scratch)
         env.update(self.env_extra)
         return env
 

@@ -430,7 +430,9 @@ def test_prefect_s_telemetry_notice_comes_before_the_progress_never_inside_it(
     ex = clone_export(pristine_flux_w2, tmp_path)
     home = tmp_path / "prefect-home"
     (home / "storage").mkdir(parents=True)
-    env = {**prefect_server.client_env(), "HF_HUB_OFFLINE": "1", "PREFECT_HOME": str(home), "TERM": "xterm-256color"}
+    env = {**prefect_server.client_env(), "HF_HUB_OFFLINE": "1", "PREFECT_HOME": str(home), "TERM": "xterm-256color",
+           # The Dask workers' scratch space here, not a dask-scratch-space left in /tmp by every suite run.
+           "DASK_TEMPORARY_DIRECTORY": str(tmp_path / "dask-scratch")}
     for name in (*CI_ENV_VARS, "DO_NOT_TRACK"):  # telemetry as a user's terminal has it (Prefect never shows it in CI)
         env.pop(name, None)
     status, terminal = _stderr_on_a_terminal(

@@ -185,6 +185,7 @@ def test_merge_killed_mid_write_resumes_byte_identical(tmp_path: Path, prefect_s
 
 
 def test_dask_local_cluster_gives_a_byte_identical_artifact(tmp_path: Path, prefect_api: Any, pristine_flux_w2: Export) -> None:
+    import dask
     from distributed import LocalCluster
 
     ex = clone_export(pristine_flux_w2, tmp_path)
@@ -194,7 +195,10 @@ def test_dask_local_cluster_gives_a_byte_identical_artifact(tmp_path: Path, pref
     # later command of this session would run with it, and none could be forked (tests/forked_cli.py).
     environ = dict(os.environ)
     try:
-        with LocalCluster(n_workers=2, processes=True, threads_per_worker=1, dashboard_address=None) as cluster:
+        # The scheduler (in this process) and the workers keep their scratch space here: by default a
+        # dask-scratch-space was left in /tmp by every suite run.
+        with dask.config.set({"temporary-directory": str(tmp_path / "dask-scratch")}), \
+                LocalCluster(n_workers=2, processes=True, threads_per_worker=1, dashboard_address=None) as cluster:
             result = merge_model(ex.config(tmp_path / "dask", max_shard_size=SHARD), task_runner="dask",
                                  dask_address=cluster.scheduler_address)
             with cluster.get_client() as client:

@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,11 +40,19 @@ def browser() -> Iterator[object]:
     options.binary_location = str(CHROMIUM)
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1600,1400"):
         options.add_argument(arg)
-    driver = webdriver.Chrome(options=options, service=Service(str(CHROMEDRIVER)))
+    # Chromium makes its profile's singleton socket in a directory of TMPDIR and leaves it there (one
+    # org.chromium.Chromium.* per suite run): a short directory of its own (a socket path is at most 107
+    # bytes), removed once the browser has quit.
+    scratch = tempfile.mkdtemp(prefix="mergeflow-chromium-")
+    service = Service(str(CHROMEDRIVER), env={**os.environ, "TMPDIR": scratch})
     try:
-        yield driver
+        driver = webdriver.Chrome(options=options, service=service)
+        try:
+            yield driver
+        finally:
+            driver.quit()
     finally:
-        driver.quit()
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _body(driver: object) -> str:
