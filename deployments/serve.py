@@ -92,14 +92,41 @@ def served_names() -> list[str]:
 
 def serve_deployments(settings: ServeSettings, *, limit: int | None = 1) -> None:
     """Register the deployments and run their flow runs here until interrupted (blocks)."""
-    from prefect import serve
-
     settings = settings.checked()
     # Without an API URL, serve would start a private temporary server no training job can reach.
     reachable_api_url()
     feed = RunFeed([merge_checkpoint_flow.name, validate_flow.name, backfill_flow.name, smoke_flow.name])  # one line per run started and finished
     feed.start()
     try:
-        serve(*build_deployments(settings), limit=limit)
+        _serve(build_deployments(settings), limit=limit)
     finally:
         feed.stop.set()
+
+
+def _serve(deployments: list[RunnerDeployment], *, limit: int | None) -> None:
+    """`prefect.serve(*deployments, limit=limit)`, but the runner's scratch directory always goes.
+
+    Prefect's Runner makes `$TMPDIR/runner_storage/<uuid>` when it starts and removes it only when its
+    services all stop without an error; a Ctrl-C ends them with one, so each served process left an
+    empty directory behind. mergeflow's deployments pull no code into it (module entrypoints).
+    """
+    import asyncio
+    import shutil
+
+    from prefect.exceptions import TerminationSignal
+    from prefect.flows import _display_serve_start_message
+    from prefect.logging import get_logger
+    from prefect.runner import Runner
+
+    runner = Runner(pause_on_shutdown=True, limit=limit)
+    for deployment in deployments:
+        runner.add_deployment(deployment)
+    _display_serve_start_message(*deployments)
+    try:
+        asyncio.run(runner.start())
+    except (KeyboardInterrupt, TerminationSignal) as exc:  # Ctrl-C, SIGTERM: the runner has stopped its runs
+        get_logger("mergeflow.serve").info(f"Received {type(exc).__name__}, shutting down...")  # as prefect.serve logs
+    finally:
+        scratch = getattr(runner, "_tmp_dir", None)  # private: nothing public names it
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)

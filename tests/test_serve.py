@@ -100,6 +100,9 @@ def _serving(tmp_path: Path, prefect_server: Any, pristine: Export, *, max_shard
     root.mkdir()
     env = {**prefect_server.client_env(), **(extra_env or {})}
     env["PREFECT_RUNNER_POLL_FREQUENCY"] = "1"  # pick up triggered runs within a second
+    scratch = tmp_path / "serve-tmp"  # serve's own temporary files, to see what it leaves behind
+    scratch.mkdir()
+    env["TMPDIR"] = str(scratch)
     log = tmp_path / "serve.log"
     asyncio.run(_forget_served())
     with open(log, "wb") as out:
@@ -117,6 +120,8 @@ def _serving(tmp_path: Path, prefect_server: Any, pristine: Export, *, max_shard
     finally:
         _stop_group(proc)
         asyncio.run(_forget_served())
+    # Stopped (Ctrl-C, or SIGTERM in a test): the runner's scratch directory went with it.
+    assert not list(scratch.glob("runner_storage/*")), "serve left its runner's scratch directory behind"
 
 
 def completed_runs(deployment_id: Any) -> list[Any]:
