@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import shutil
 import signal
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from mergeflow.ops.local_server import RECORDER_BATCHING, healthy
+from mergeflow.ops.plain_http import ONE_CERTIFICATE
 
 _SERVER_SETTINGS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -74,7 +74,8 @@ _LAST_POINTED: list[tuple[Any, str, Any]] = []  # (settings, api_url, those sett
 
 
 def _pointed_at(settings: Any, api_url: str) -> Any:
-    """`settings` with the API URL, no in-process heartbeats and the one-certificate CA file.
+    """`settings` with the API URL, no in-process heartbeats and the one-certificate CA file (mergeflow.ops.plain_http: the
+    server is plain http://, and certifi's bundle took 13-100 ms per in-process client).
 
     What `temporary_settings(updates=...)` would build, built once: validating a whole Settings copy per
     activation cost 9.5 of the workers' ~430 sampled CPU seconds in a py-spy profile of the suite, and
@@ -89,31 +90,9 @@ def _pointed_at(settings: Any, api_url: str) -> Any:
     # server, and only tests/test_heartbeats.py needs them (it turns them on). The CLI
     # subprocesses run with Prefect's default (a heartbeat every 180 s), as users do.
     pointed = settings.copy_with_update(updates={PREFECT_API_URL: api_url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None,
-                                                 PREFECT_API_SSL_CERT_FILE: str(_one_certificate())})
+                                                 PREFECT_API_SSL_CERT_FILE: str(ONE_CERTIFICATE)})
     _LAST_POINTED[:] = [(settings, api_url, pointed)]
     return pointed
-
-
-@functools.cache
-def _one_certificate() -> Path:
-    """A CA file of one certificate (the first of certifi's bundle), for PREFECT_API_SSL_CERT_FILE.
-
-    Every Prefect client loads its CA file into an SSL context when it is created, one client per
-    in-process flow run: certifi's ~140 certificates took 50-100 ms each time on the loaded
-    two-core machine, one certificate 1 ms. The server is plain HTTP on 127.0.0.1, so no
-    certificate is ever checked.
-    """
-    import certifi
-
-    bundle = Path(certifi.where()).read_text()
-    end = "-----END CERTIFICATE-----"
-    first = bundle[bundle.index("-----BEGIN CERTIFICATE-----"):bundle.index(end) + len(end)] + "\n"
-    path = Path(tempfile.gettempdir()) / "mergeflow-tests-one-ca.pem"
-    if not path.is_file() or path.read_text() != first:
-        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-        partial.write_text(first)
-        os.replace(partial, path)  # atomically: the other xdist worker may read it now
-    return path
 
 
 def _without_prefect_vars(env: dict[str, str]) -> dict[str, str]:
