@@ -46,6 +46,7 @@ def _remove_own_dirs() -> None:
 sys.path.insert(0, str(Path(__file__).parent))
 
 import pytest  # noqa: E402
+import temp_leftovers  # noqa: E402
 from prefect_server import PrefectServer, start_prefect_server  # noqa: E402
 
 
@@ -83,15 +84,33 @@ class _EarlyServer:
 _early: list[_EarlyServer] = []
 
 
+def _runs_tests(session: pytest.Session) -> bool:
+    """An xdist worker or a plain -n 0 run; not the xdist controller, which only deals tests out."""
+    return bool(os.environ.get("PYTEST_XDIST_WORKER") or not getattr(session.config.option, "numprocesses", None))
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
-    # Not in the xdist controller: it runs no tests; each worker (or a plain -n 0 run) starts its own.
-    if os.environ.get("PYTEST_XDIST_WORKER") or not getattr(session.config.option, "numprocesses", None):
+    if _runs_tests(session):
         _early.append(_EarlyServer())
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # the whole run's view: the controller, or a -n 0 run
+        _temp_before[:] = [temp_leftovers.snapshot()]
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     for each in _early:
         each.stop()
+    if _temp_before:
+        left = temp_leftovers.left_since(_temp_before[0])
+        if left:  # what Prefect, Dask or Chromium leave behind when a test does not give them a place of their own
+            reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+            message = "the run left these in the temp dir (tests/temp_leftovers.py): " + ", ".join(left)
+            if reporter is not None:
+                reporter.ensure_newline()
+                reporter.write_line(message, red=True)
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_temp_before: list[set[str]] = []
 
 
 @pytest.fixture(scope="session")
