@@ -74,8 +74,10 @@ _LAST_POINTED: list[tuple[Any, str, Any]] = []  # (settings, api_url, those sett
 
 
 def _pointed_at(settings: Any, api_url: str) -> Any:
-    """`settings` with the API URL, no in-process heartbeats and the one-certificate CA file (mergeflow.ops.plain_http: the
-    server is plain http://, and certifi's bundle took 13-100 ms per in-process client).
+    """`settings` with the API URL, no in-process heartbeats and the one-certificate CA file.
+
+    The CA file is the product's own (mergeflow/ops/plain_http.py): the server is plain http://, and
+    certifi's bundle took 13-100 ms per in-process client.
 
     What `temporary_settings(updates=...)` would build, built once: validating a whole Settings copy per
     activation cost 9.5 of the workers' ~430 sampled CPU seconds in a py-spy profile of the suite, and
