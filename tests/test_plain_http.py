@@ -7,7 +7,11 @@ import ssl
 
 import pytest
 
-from mergeflow.ops.plain_http import CA_FILE_VAR, ONE_CERTIFICATE, skip_certificate_store
+from mergeflow.ops.plain_http import (
+    CA_FILE_VAR,
+    ONE_CERTIFICATE,
+    skip_certificate_store,
+)
 
 
 def test_the_one_certificate_file_is_a_ca_file_ssl_loads() -> None:
