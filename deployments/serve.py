@@ -16,6 +16,9 @@ flow run). The same deployments are declared in `deployments/prefect.yaml` for
 
 from __future__ import annotations
 
+import asyncio
+import shutil
+
 from prefect.deployments.runner import EntrypointType, RunnerDeployment
 from prefect.events import DeploymentEventTrigger
 
@@ -110,9 +113,6 @@ def _serve(deployments: list[RunnerDeployment], *, limit: int | None) -> None:
     services all stop without an error; a Ctrl-C ends them with one, so each served process left an
     empty directory behind. mergeflow's deployments pull no code into it (module entrypoints).
     """
-    import asyncio
-    import shutil
-
     from prefect.exceptions import TerminationSignal
     from prefect.flows import _display_serve_start_message
     from prefect.logging import get_logger

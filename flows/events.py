@@ -65,10 +65,9 @@ def use_prefect_api(command: str | None = None, *, own_server: bool = True, stre
                          "turns off the local background server they would share: set PREFECT_API_URL to serve's API")
     background = local_server.ensure_local_server(out)
     own = None if background is not None else local_server.ensure_command_server()
-    # The URL Prefect will use: ours, or the environment's (a profile's or settings file's is not read
-    # again here: that can take a subprocess, for a few milliseconds saved).
-    skip_certificate_store(background.api_url if background is not None else own.api_url if own is not None
-                           else os.environ.get("PREFECT_API_URL"))
+    # The URL Prefect will use: a server started just above put its own in the environment. A URL that only a
+    # profile or settings file names is not read again here (that can take a subprocess).
+    skip_certificate_store(os.environ.get("PREFECT_API_URL"))
     if "prefect.context" in sys.modules:
         # Imported already (a command forked from a resident process): Prefect read its settings then,
         # before PREFECT_API_URL was set just above. Its own refresh makes it read them again.
