@@ -109,17 +109,24 @@ def qwen25_vl_text_encoder(hidden: int, tokenizer: Any, *, seed: int = 1) -> Any
         return Qwen2_5_VLForConditionalGeneration(config).eval()
 
 
-def qwen_image_vae(z_dim: int, *, seed: int = 4) -> Any:
-    """Build a tiny AutoencoderKLQwenImage with ``z_dim`` latent channels (spatial factor 4)."""
+def qwen_image_vae(z_dim: int, *, seed: int = 4, spatial_factor: int = 4) -> Any:
+    """Build a tiny AutoencoderKLQwenImage with ``z_dim`` latent channels (spatial factor 4, or 8 as released).
+
+    Factor 8 is for pipelines that encode an input image: the editing pipelines resize it to about a
+    megapixel, and at factor 4 the VAE's mid-block attention runs over 65,536 latent positions.
+    """
     from diffusers import AutoencoderKLQwenImage
 
+    if spatial_factor not in (4, 8):
+        raise ValueError(f"spatial_factor is 4 or 8, not {spatial_factor}")
+    stages = 2 if spatial_factor == 4 else 3
     with seeded(seed):
         return AutoencoderKLQwenImage(
             base_dim=8,
             z_dim=z_dim,
-            dim_mult=[1, 2, 4],
+            dim_mult=[1, 2, 4, 4][: stages + 1],
             num_res_blocks=1,
-            temperal_downsample=[False, True],
+            temperal_downsample=[False, True, True][:stages],
             latents_mean=[0.0] * z_dim,
             latents_std=[1.0] * z_dim,
         ).eval()
