@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import shutil
 import sys
@@ -51,12 +52,16 @@ from prefect_server import PrefectServer, start_prefect_server  # noqa: E402
 
 
 class _EarlyServer:
-    """The session's server, started in a thread when the session starts, so its 10-15 s start-up
-    overlaps test collection instead of stalling the first test that needs it."""
+    """A session's server, started in a thread, so that the session's own 10-15 s start-up overlaps test
+    collection instead of stalling the first test that needs it.
 
-    def __init__(self) -> None:
+    The session's own (events=False) neither stores events nor runs automations (tests/prefect_server.py,
+    _WITHOUT_EVENTS): the tests that need them take `prefect_events_server`, a second one started for them
+    alone on first use."""
+
+    def __init__(self, *, events: bool = False) -> None:
         self._home = Path(tempfile.mkdtemp(prefix="mergeflow-tests-server-"))
-        self._context = start_prefect_server(self._home, auth_string=os.environ["PREFECT_API_AUTH_STRING"])
+        self._context = start_prefect_server(self._home, auth_string=os.environ["PREFECT_API_AUTH_STRING"], events=events)
         self._result: PrefectServer | BaseException | None = None
         self._thread = threading.Thread(target=self._start, name="prefect-server-start", daemon=True)
         self._thread.start()
@@ -72,7 +77,7 @@ class _EarlyServer:
         if isinstance(self._result, BaseException):
             raise self._result
         assert self._result is not None
-        return self._result
+        return dataclasses.replace(self._result, routes_events=True)
 
     def stop(self) -> None:
         self._thread.join()
@@ -125,6 +130,25 @@ def prefect_server() -> Iterator[PrefectServer]:
     yield server
     forked_cli.stop_zygotes()
     _drain_prefect_services()
+
+
+@pytest.fixture(scope="session")
+def prefect_events_server() -> Iterator[PrefectServer]:
+    """A server that stores events and runs automations (deployment triggers) on them, for the tests that read
+    events back or start runs from them; started on first use, once per worker, and stopped at the end."""
+    started = _EarlyServer(events=True)
+    try:
+        yield started.server()
+    finally:
+        _drain_prefect_services()
+        started.stop()
+
+
+@pytest.fixture()
+def prefect_events_api(prefect_events_server: PrefectServer) -> Iterator[PrefectServer]:
+    """Run flows of this test in-process against the server that stores events."""
+    with prefect_events_server.activated():
+        yield prefect_events_server
 
 
 def _drain_prefect_services() -> None:

@@ -30,6 +30,16 @@ _SERVER_SETTINGS = {
     "PREFECT_LOGGING_LEVEL": "WARNING",
 }
 
+# Off on a server started with events=False (the session's own: tests/conftest.py). Storing each event and
+# evaluating it against the automations was 0.2 of the server's 0.65-0.75 CPU seconds per tiny merge and
+# validation (20 of each, measured), and the suite's two session servers spent ~62 CPU seconds apiece, a
+# sixth of the suite's CPU. Only the tests that read events back or start runs from them need either: they
+# take the server that has both (the `prefect_events_server` fixture), as the cluster's server has.
+_WITHOUT_EVENTS = {
+    "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED": "false",
+    "PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED": "false",
+}
+
 
 @dataclass(frozen=True)
 class PrefectServer:
@@ -40,6 +50,7 @@ class PrefectServer:
     log_path: Path
     process: subprocess.Popen[bytes]
     auth_string: str | None = None  # PREFECT_SERVER_API_AUTH_STRING of the server, when it has one
+    routes_events: bool = False  # activating it sends this process's events and API logs to it (the session's servers)
 
     def client_env(self, base: dict[str, str] | None = None) -> dict[str, str]:
         """Environment for a child process that should talk to this server."""
@@ -58,6 +69,8 @@ class PrefectServer:
         # supported way to change PREFECT_API_URL inside a running process.
         import prefect.context
 
+        if self.routes_events:
+            _send_events_and_logs_to(self.api_url)
         current = prefect.context.get_settings_context()
         with prefect.context.SettingsContext(profile=current.profile, settings=_pointed_at(current.settings, self.api_url)):
             yield
@@ -68,6 +81,23 @@ class PrefectServer:
             return self.log_path.read_text(errors="replace")[-chars:]
         except OSError:
             return ""
+
+
+_EVENTS_TO: list[str] = []  # the API URL this process's Prefect events and API-log workers were last started for
+
+
+def _send_events_and_logs_to(api_url: str) -> None:
+    """Prefect keeps one events worker and one API-log worker per process, keyed without the API URL: the first
+    server they send to gets every later test's events and logs. Activating another of the session's servers
+    (the one that stores events, or back) drains both, so the next event or log starts a worker for it."""
+    if _EVENTS_TO == [api_url]:
+        return
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=10)
+    EventsWorker.drain_all(timeout=10)
+    _EVENTS_TO[:] = [api_url]
 
 
 _LAST_POINTED: list[tuple[Any, str, Any]] = []  # (settings, api_url, those settings pointed at it): the last one
@@ -189,10 +219,12 @@ def _migrate_template(template: Path) -> None:
 
 
 @contextlib.contextmanager
-def start_prefect_server(tmp_path: Path, *, startup_timeout: float = 90.0, auth_string: str | None = None) -> Iterator[PrefectServer]:
+def start_prefect_server(tmp_path: Path, *, startup_timeout: float = 90.0, auth_string: str | None = None,
+                         events: bool = True) -> Iterator[PrefectServer]:
     """Start `prefect server start` on a free port with a temp PREFECT_HOME; stop it on exit.
 
     With `auth_string`, the server requires basic authentication (PREFECT_SERVER_API_AUTH_STRING).
+    With `events=False` it neither stores events nor runs automations on them (_WITHOUT_EVENTS).
     """
     home = Path(tmp_path) / "prefect-home"
     home.mkdir(parents=True, exist_ok=True)
@@ -201,6 +233,8 @@ def start_prefect_server(tmp_path: Path, *, startup_timeout: float = 90.0, auth_
     api_url = f"http://127.0.0.1:{port}/api"
     env = _without_prefect_vars(dict(os.environ))
     env.update(_SERVER_SETTINGS)
+    if not events:
+        env.update(_WITHOUT_EVENTS)
     env["PREFECT_HOME"] = str(home)
     env["PREFECT_API_DATABASE_CONNECTION_URL"] = f"sqlite+aiosqlite:///{home / 'prefect.db'}"
     template = _migrated_template()

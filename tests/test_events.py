@@ -170,7 +170,7 @@ def read_event(server: PrefectServer, event_id: str, timeout: float = 30.0) -> A
             time.sleep(0.25)
 
 
-def test_short_lived_training_process_delivers_the_event(tmp_path: Path, prefect_server: PrefectServer) -> None:
+def test_short_lived_training_process_delivers_the_event(tmp_path: Path, prefect_events_server: PrefectServer) -> None:
     actor = make_actor_dir(tmp_path)
     # os._exit skips atexit hooks (Prefect's own late flush), like multiprocessing-spawned ranks do:
     # only checkpoint_saved's explicit flush gets the event out.
@@ -181,10 +181,10 @@ def test_short_lived_training_process_delivers_the_event(tmp_path: Path, prefect
     )
     result = subprocess.run(
         [sys.executable, "-c", script, str(actor)],
-        env=child_env(prefect_server.client_env()), cwd=tmp_path, capture_output=True, text=True, timeout=60,
+        env=child_env(prefect_events_server.client_env()), cwd=tmp_path, capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 0, result.stderr
-    event = read_event(prefect_server, result.stdout.strip().splitlines()[-1])
+    event = read_event(prefect_events_server, result.stdout.strip().splitlines()[-1])
     assert event.event == EVENT_CHECKPOINT_SAVED
     assert event.resource.id == checkpoint_resource_id(actor)
     assert event.payload == {
@@ -193,17 +193,17 @@ def test_short_lived_training_process_delivers_the_event(tmp_path: Path, prefect
     }
 
 
-def test_in_process_emit_and_watch_reach_the_server(tmp_path: Path, prefect_server: PrefectServer) -> None:
+def test_in_process_emit_and_watch_reach_the_server(tmp_path: Path, prefect_events_server: PrefectServer) -> None:
     from mergeflow.flows.watch import watch
 
     first = make_actor_dir(tmp_path, step=1)
-    with prefect_server.activated():
+    with prefect_events_server.activated():
         event_id = checkpoint_saved(first, target_dir=str(tmp_path / "export-1"))
-    assert read_event(prefect_server, event_id).payload["target_dir"] == str(tmp_path / "export-1")
+    assert read_event(prefect_events_server, event_id).payload["target_dir"] == str(tmp_path / "export-1")
 
     train_dir = first.parent.parent
     make_actor_dir(tmp_path, step=2)
-    with prefect_server.activated():
+    with prefect_events_server.activated():
         emitted = watch(train_dir, target_dir_template=str(tmp_path / "out" / "{run_name}-{step}"),
                         stable_seconds=0.3, poll_seconds=0.2, timeout=3.0)
     assert [c.step for c in emitted] == [1, 2]
@@ -213,7 +213,7 @@ def test_in_process_emit_and_watch_reach_the_server(tmp_path: Path, prefect_serv
 
     wanted = checkpoint_resource_id(train_dir / "global_step_2" / "actor")
     deadline = time.monotonic() + 30
-    with prefect_server.activated(), get_client(sync_client=True) as client:
+    with prefect_events_server.activated(), get_client(sync_client=True) as client:
         while True:
             page = client.read_events(filter=EventFilter(
                 event=EventNameFilter(name=[EVENT_CHECKPOINT_SAVED]), resource=EventResourceFilter(id=[wanted])), limit=50)

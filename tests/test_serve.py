@@ -86,9 +86,9 @@ def _stop_group(proc: subprocess.Popen[bytes]) -> None:
 
 
 @pytest.fixture()
-def served(tmp_path: Path, prefect_server: Any, prefect_api: Any, pristine_flux_w2: Export) -> Iterator[dict[str, Any]]:
+def served(tmp_path: Path, prefect_events_server: Any, prefect_events_api: Any, pristine_flux_w2: Export) -> Iterator[dict[str, Any]]:
     """`python -m mergeflow serve` in its own process group, stopped (with its flow runs) at the end."""
-    with _serving(tmp_path, prefect_server, pristine_flux_w2) as info:
+    with _serving(tmp_path, prefect_events_server, pristine_flux_w2) as info:
         yield info
 
 
@@ -295,7 +295,7 @@ def test_a_malformed_served_event_is_a_failed_run_with_its_reason(tmp_path: Path
     assert list(root.iterdir()) == []  # nothing created under the target root
 
 
-def test_sigterm_stops_a_served_runs_writers_between_tensors(tmp_path: Path, prefect_server: Any, prefect_api: Any,
+def test_sigterm_stops_a_served_runs_writers_between_tensors(tmp_path: Path, prefect_events_server: Any, prefect_events_api: Any,
                                                             pristine_flux_w2: Export) -> None:
     """A scheduler's SIGTERM to a served flow run's process stops its writers at the next tensor, as on the CLI:
     the bytes written after the signal are bounded by one tensor per writer, never the rest of the shard."""
@@ -307,7 +307,7 @@ def test_sigterm_stops_a_served_runs_writers_between_tensors(tmp_path: Path, pre
 
     slow = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "slow_site"), os.environ.get("PYTHONPATH", "")]),
             "MERGEFLOW_TEST_SLOW_TENSOR_S": "0.3"}
-    with _serving(tmp_path, prefect_server, pristine_flux_w2, max_shard_size="100000000", extra_env=slow) as info:
+    with _serving(tmp_path, prefect_events_server, pristine_flux_w2, max_shard_size="100000000", extra_env=slow) as info:
         ex, root, deployment = info["export"], info["root"], info["deployment"]
 
         def staged() -> int:
