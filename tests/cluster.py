@@ -31,7 +31,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any, Self
 
-from prefect_server import _SERVER_SETTINGS, _without_prefect_vars, free_port
+from prefect_server import _SERVER_SETTINGS, _without_prefect_vars, drain_events_and_logs, free_port
 
 from mergeflow.ops.local_server import healthy
 
@@ -147,14 +147,10 @@ class Cluster:
     def drain(self) -> None:
         """Send this process's queued Prefect logs and events while the server still runs (else Prefect's exit
         hook retries against the stopped server for over a minute)."""
-        from prefect.events.worker import EventsWorker
-        from prefect.logging.handlers import APILogWorker
-
         if not self.api_url:
             return
         with self.activated():
-            APILogWorker.drain_all(timeout=10)
-            EventsWorker.drain_all(timeout=10)
+            drain_events_and_logs()
 
     def _spawn(self, name: str, command: list[str], env: dict[str, str], *, user: str | None = None,
                cwd: Path | None = None) -> Part:

@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import pytest  # noqa: E402
 import temp_leftovers  # noqa: E402
-from prefect_server import PrefectServer, start_prefect_server  # noqa: E402
+from prefect_server import PrefectServer, drain_events_and_logs, start_prefect_server  # noqa: E402
 
 
 class _EarlyServer:
@@ -129,7 +129,7 @@ def prefect_server() -> Iterator[PrefectServer]:
     forked_cli.fork_commands_of(server.client_env())  # CLI runs against it skip the cold import (tests/forked_cli.py)
     yield server
     forked_cli.stop_zygotes()
-    _drain_prefect_services()
+    drain_events_and_logs()
 
 
 @pytest.fixture(scope="session")
@@ -140,7 +140,7 @@ def prefect_events_server() -> Iterator[PrefectServer]:
     try:
         yield started.server()
     finally:
-        _drain_prefect_services()
+        drain_events_and_logs()
         started.stop()
 
 
@@ -149,18 +149,6 @@ def prefect_events_api(prefect_events_server: PrefectServer) -> Iterator[Prefect
     """Run flows of this test in-process against the server that stores events."""
     with prefect_events_server.activated():
         yield prefect_events_server
-
-
-def _drain_prefect_services() -> None:
-    """Send queued logs and events while the server still runs.
-
-    Otherwise Prefect's exit hook retries against the stopped server for over a minute.
-    """
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
-
-    APILogWorker.drain_all(timeout=10)
-    EventsWorker.drain_all(timeout=10)
 
 
 @pytest.fixture(scope="session")

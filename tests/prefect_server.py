@@ -92,12 +92,20 @@ def _send_events_and_logs_to(api_url: str) -> None:
     (the one that stores events, or back) drains both, so the next event or log starts a worker for it."""
     if _EVENTS_TO == [api_url]:
         return
+    drain_events_and_logs()
+    _EVENTS_TO[:] = [api_url]
+
+
+def drain_events_and_logs() -> None:
+    """Send this process's queued Prefect logs and events now, and end the workers that send them.
+
+    Before a server stops: otherwise Prefect's exit hook retries against the stopped server for over a minute.
+    """
     from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogWorker
 
     APILogWorker.drain_all(timeout=10)
     EventsWorker.drain_all(timeout=10)
-    _EVENTS_TO[:] = [api_url]
 
 
 _LAST_POINTED: list[tuple[Any, str, Any]] = []  # (settings, api_url, those settings pointed at it): the last one
