@@ -1,6 +1,8 @@
-"""The model card: README.md written with huggingface_hub's ModelCard for every output, listed in the manifest.
+"""The model card: README.md for every output, listed in the manifest, byte for byte what huggingface_hub's ModelCard writes.
 
-huggingface_hub's own parser reads each card back; its metadata is what the Hub shows (base model and
+mergeflow renders the card without importing huggingface_hub (mergeflow/hub/model_card.py says why); every
+card here is held to the bytes huggingface_hub's ModelCardData and ModelCard write for the same fields and
+text. huggingface_hub's own parser reads each card back; its metadata is what the Hub shows (base model and
 relation, library, pipeline tag); no path of this machine lands in it; `test` checks it like any file, and
 the uploaded repo's card is the one written.
 """
@@ -37,6 +39,10 @@ def _card(root: Path) -> tuple[ModelCard, dict[str, Any]]:
     # The metadata validates as the Hub's card data: every field round-trips through ModelCardData.
     data = card.data.to_dict()
     assert ModelCardData(**data).to_dict() == data
+    # The bytes are huggingface_hub's: its ModelCardData and ModelCard write exactly this card from the same
+    # fields (in ModelCardData's own order: the constructor's fields, then the others) and the same text.
+    written = (root / "README.md").read_text(encoding="utf-8")
+    assert str(ModelCard(f"---\n{ModelCardData(**data).to_yaml()}\n---\n{card.text}")) == written
     assert manifest["model_card"]["tensors_sha256"] == tensors_sha256(manifest["tensors"])
     assert manifest["model_card"]["tensors_sha256"] in card.text
     return card, manifest
@@ -129,6 +135,8 @@ def test_adapter_and_fused_cards(tmp_path: Path, prefect_api: Any) -> None:
 def test_an_edited_card_fails_test(flux: Any, tmp_path: Path, prefect_api: Any) -> None:
     ex = clone_export(flux, tmp_path)
     out = Path(merge_model(ex.config()).output_dir)
+    written, _ = _card(out)  # no Hub id for a local base: neither base_model nor its relation is declared
+    assert written.data.base_model is None and "base_model_relation" not in written.data.to_dict()
     card = out / "README.md"
     card.chmod(0o644)
     card.write_text(card.read_text().replace("finetune", "merge"))

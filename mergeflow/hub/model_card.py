@@ -1,4 +1,4 @@
-"""The artifact's model card: README.md with YAML front matter, written with huggingface_hub's ModelCard.
+"""The artifact's model card: README.md with YAML front matter, the bytes huggingface_hub's ModelCard writes.
 
 The card says what the Hub shows (base model, relation, library, pipeline tag) and what mergeflow
 proved. It is built from the manifest record and the plan, never from a path of the user's machine:
@@ -7,6 +7,14 @@ the training run and step come from verl's `<run>/global_step_N` names, the base
 The card is one of the manifest's `files` (its sha256), so the manifest cannot also be named by the
 card's own digest (circular): the card carries `tensors_sha256`, the digest of the manifest's tensor
 records (canonical JSON), which the manifest's `model_card` record repeats and `test` recomputes.
+
+The card is rendered here, not through huggingface_hub's ModelCardData and ModelCard: importing them cost
+each export 50-70 ms of CPU, a fifth of a tiny merge forked from a resident (0.30 against 0.23-0.26 CPU-s,
+measured), and no resident can import huggingface_hub ahead of a command (it reads HF_* when imported:
+mergeflow.ops.resident_server). The bytes are theirs: the same PyYAML dump with their options, keys in
+ModelCardData's order, None left out and tags made unique. tests/test_model_card.py holds every output's
+card to what huggingface_hub renders from the same fields, and parses it back with huggingface_hub's own
+ModelCard.
 """
 
 from __future__ import annotations
@@ -17,6 +25,8 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from mergeflow.errors import ArtifactInvalidError, UsageError
 from mergeflow.formats.manifest import Manifest
@@ -92,21 +102,28 @@ def pipeline_tag(architecture: str, transformer_class: str) -> str:
     return "text-to-image"
 
 
-def card_data(manifest: Manifest, facts: CardFacts) -> Any:
-    """huggingface_hub's ModelCardData: what the Hub shows (imported here: `test` stays without huggingface_hub)."""
-    from huggingface_hub import ModelCardData
-
+def card_data(manifest: Manifest, facts: CardFacts) -> dict[str, Any]:
+    """What the Hub shows, in the order huggingface_hub's ModelCardData writes it (its `to_dict`): its own
+    fields first (base_model, library_name, pipeline_tag, tags), then the others (base_model_relation), with
+    the ones left None out and the tags unique in their first order."""
     rel = relation(manifest)
-    library = library_name(manifest)
     tags = ["mergeflow", manifest.architecture, manifest.artifact_type]
     if rel == "adapter":
         tags.append("lora")
     if manifest.quantization is not None:
         tags.append(str(manifest.quantization.get("method", "quantized")))
-    kwargs: dict[str, Any] = {"base_model_relation": rel} if facts.base_model else {}
-    return ModelCardData(base_model=facts.base_model, library_name=library,
-                         pipeline_tag=pipeline_tag(manifest.architecture, facts.transformer_class),
-                         tags=list(dict.fromkeys(tags)), **kwargs)
+    data: dict[str, Any] = {"base_model": facts.base_model, "library_name": library_name(manifest),
+                            "pipeline_tag": pipeline_tag(manifest.architecture, facts.transformer_class),
+                            "tags": list(dict.fromkeys(tags))}
+    if facts.base_model:
+        data["base_model_relation"] = rel
+    return {key: value for key, value in data.items() if value is not None}
+
+
+def front_matter(data: Mapping[str, Any]) -> str:
+    """The YAML block as ModelCardData.to_yaml dumps it (huggingface_hub.utils.yaml_dump: PyYAML's dump,
+    unicode kept, keys unsorted), with the "\n" line break a ModelCard of "\n"-separated text keeps."""
+    return str(yaml.dump(dict(data), stream=None, allow_unicode=True, sort_keys=False, line_break="\n")).strip()
 
 
 def _proven(manifest: Manifest, runtime: Mapping[str, Any] | None) -> str:
@@ -135,7 +152,7 @@ def _proven(manifest: Manifest, runtime: Mapping[str, Any] | None) -> str:
 
 
 def render(manifest: Manifest, facts: CardFacts, runtime: Mapping[str, Any] | None = None) -> str:
-    """The card's text: YAML front matter from ModelCardData, then the body."""
+    """The card's text: the YAML front matter (`card_data`, `front_matter`), then the body."""
     data = card_data(manifest, facts)
     checkpoint = dict(manifest.checkpoint)
     training = f"run `{facts.run}`, step {facts.step}" if facts.run else "not recorded (not a verl global_step_N layout)"
@@ -167,10 +184,7 @@ Check it again without the training checkpoint: `mergeflow test --backend fsdp -
 ```python
 {load_snippet(manifest, facts)}```
 """
-    from huggingface_hub import ModelCard
-
-    card = ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
-    return str(card)
+    return f"---\n{front_matter(data)}\n---\n{body}"
 
 
 def card_record(manifest: Manifest, facts: CardFacts) -> dict[str, Any]:
