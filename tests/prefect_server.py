@@ -33,8 +33,9 @@ _SERVER_SETTINGS = {
 # Off on a server started with events=False (the session's own: tests/conftest.py). Storing each event and
 # evaluating it against the automations is about a quarter of the server's CPU per tiny merge and validation
 # (0.22-0.25 CPU seconds with both, 0.15-0.18 without; 20 of each, measured), and the suite's two session
-# servers spent ~62 CPU seconds apiece, a sixth of the suite's CPU. Only the tests that read events back or start runs from them need either: they
-# take the server that has both (the `prefect_events_server` fixture), as the cluster's server has.
+# servers spent ~62 CPU seconds apiece, a sixth of the suite's CPU. Only the tests that read events back or
+# start runs from them need either: they take the server that has both (the `prefect_events_server`
+# fixture), as the cluster's server has.
 _WITHOUT_EVENTS = {
     "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED": "false",
     "PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED": "false",

@@ -104,20 +104,21 @@ def pipeline_tag(architecture: str, transformer_class: str) -> str:
 
 def card_data(manifest: Manifest, facts: CardFacts) -> dict[str, Any]:
     """What the Hub shows, in the order huggingface_hub's ModelCardData writes it (its `to_dict`): its own
-    fields first (base_model, library_name, pipeline_tag, tags), then the others (base_model_relation), with
-    the ones left None out and the tags unique in their first order."""
+    fields first (base_model, library_name, pipeline_tag, tags), then the others (base_model_relation); a
+    base without a Hub id is left out, as ModelCardData leaves out None, and the tags are unique."""
     rel = relation(manifest)
     tags = ["mergeflow", manifest.architecture, manifest.artifact_type]
     if rel == "adapter":
         tags.append("lora")
     if manifest.quantization is not None:
         tags.append(str(manifest.quantization.get("method", "quantized")))
-    data: dict[str, Any] = {"base_model": facts.base_model, "library_name": library_name(manifest),
-                            "pipeline_tag": pipeline_tag(manifest.architecture, facts.transformer_class),
-                            "tags": list(dict.fromkeys(tags))}
+    data: dict[str, Any] = {} if facts.base_model is None else {"base_model": facts.base_model}
+    data.update(library_name=library_name(manifest),
+                pipeline_tag=pipeline_tag(manifest.architecture, facts.transformer_class),
+                tags=list(dict.fromkeys(tags)))
     if facts.base_model:
         data["base_model_relation"] = rel
-    return {key: value for key, value in data.items() if value is not None}
+    return data
 
 
 def front_matter(data: Mapping[str, Any]) -> str:
