@@ -330,6 +330,9 @@ def test_cluster_fan_out_worker_deaths_and_limits(site: Site) -> None:
                    90, cluster)
     victim = cluster.part_of_pid(writer)
     assert victim in ("machine-a", "machine-b"), victim
+    # The flow run's process is Prefect's engine, started by the worker itself (deployments/prefect.yaml's
+    # command), in the worker's process group; Prefect's workspace supervisor starts it in a session of its own.
+    assert os.getpgid(writer) == cluster.part(victim).pgid, "the flow run went through Prefect's workspace supervisor"
     cluster.kill_with_descendants(victim)  # the worker and its flow-run process, as a machine dies
     killed_at = time.monotonic()
     # SIGKILL is delivered asynchronously: the writer's open file goes once the kernel has ended the process.

@@ -264,6 +264,8 @@ def test_prefect_yaml_entrypoints_and_trigger_match_the_served_ones() -> None:
     spec = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
     deployments = {d["name"]: d for d in spec["deployments"]}
     assert set(deployments) == {MERGE_DEPLOYMENT, VALIDATE_DEPLOYMENT, BACKFILL_DEPLOYMENT, SMOKE_DEPLOYMENT}
+    # The engine started directly, not through Prefect's workspace supervisor (docs/operations.md section 4).
+    assert {d["work_pool"]["job_variables"]["command"] for d in deployments.values()} == {"python -m prefect.engine"}
     merge, validate, backfill, smoke = (load_flow_from_entrypoint(deployments[name]["entrypoint"], use_placeholder_flow=False)
                                         for name in (MERGE_DEPLOYMENT, VALIDATE_DEPLOYMENT, BACKFILL_DEPLOYMENT, SMOKE_DEPLOYMENT))
     assert (merge.name, validate.name, backfill.name, smoke.name) == (

@@ -38,7 +38,11 @@ def browser() -> Iterator[object]:
 
     options = webdriver.ChromeOptions()
     options.binary_location = str(CHROMIUM)
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1600,1400"):
+    # --disable-3d-apis: the run page's graph is a WebGL canvas, which no check here can read. Without a GPU,
+    # Chromium draws it in software (SwiftShader) for as long as the page is open: 20 of this test's ~42 CPU-s
+    # and 10 s of its wall time, measured. The screenshots show its panel empty; every text checked is the same.
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--disable-3d-apis",
+                "--window-size=1600,1400"):
         options.add_argument(arg)
     # Chromium makes its profile's singleton socket in a directory of TMPDIR and leaves it there (one
     # org.chromium.Chromium.* per suite run): a short directory of its own (a socket path is at most 107
