@@ -71,13 +71,20 @@ class Part:
             return False
 
     def kill(self) -> None:
-        """SIGKILL the whole group (the part and everything it started that stayed in its group)."""
+        """SIGKILL the whole group (the part and everything it started that stayed in its group), and what it
+        started in a session of its own (Prefect's workspace supervisor starts a flow run's process so)."""
         if self.stop_first is not None:
             self.stop_first()
+        strays = descendants(self.pgid)
         try:
             os.killpg(self.pgid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        for pid in strays:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         if self.process is not None:
             try:
                 self.process.wait(timeout=10)
