@@ -425,7 +425,7 @@ def test_prefect_s_telemetry_notice_comes_before_the_progress_never_inside_it(
     # A PREFECT_HOME that Prefect takes for a known user's (the local server keeps its database and
     # `storage` there) and a Dask runner, whose worker processes import Prefect once the bar is up:
     # the notice was printed by a worker, in the middle of the progress. One worker process shows it as
-    # well as two (each imports Prefect, torch and the flows: ~5 CPU-s a worker).
+    # well as two (each imports Prefect, torch and the flows: the test took ~3 CPU-s less with one).
     from prefect._internal.analytics.ci_detection import CI_ENV_VARS
 
     ex = clone_export(pristine_flux_w2, tmp_path)
