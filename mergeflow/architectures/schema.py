@@ -285,15 +285,17 @@ def _schema_cache_path(class_name: str, config: ModelConfig) -> Path | None:
     import hashlib
     import json
     import os
-    from importlib.metadata import PackageNotFoundError, version
+    from mergeflow.formats.manifest import installed_version
 
     if os.environ.get("MERGEFLOW_SCHEMA_CACHE", "1").lower() in ("0", "off", "false", "no"):
         return None
+    versions = {name: installed_version(name) for name in ("diffusers", "torch")}
+    if None in versions.values():
+        return None
     try:
-        versions = {name: version(name) for name in ("diffusers", "torch")}
         raw = json.dumps({"v": SCHEMA_CACHE_VERSION, "class": class_name, "config": config, **versions},
                          sort_keys=True, allow_nan=False)
-    except (PackageNotFoundError, TypeError, ValueError):
+    except (TypeError, ValueError):
         return None
     root = os.environ.get("MERGEFLOW_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mergeflow")

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,6 +14,7 @@ from mergeflow.formats.manifest import (
     LoraAdapterRecord,
     Manifest,
     fingerprint,
+    plain,
 )
 from mergeflow.formats.safetensors_format import nbytes
 from mergeflow.formats.seal import PIN_NAME, pin_text, write_pin
@@ -62,7 +63,7 @@ def _adapter_shard(plan: MergePlan, lora: LoraPlan, layouts: dict[str, TensorLay
     writes = tuple(output.adapter_writes(plan, lora, layouts))
     metadata = output.shard_metadata(plan, lora)
     name = output.weights_name
-    body = [asdict(tw) for tw in writes]
+    body = [plain(tw) for tw in writes]
     return ShardPlan(
         index=0,
         file_name=name,

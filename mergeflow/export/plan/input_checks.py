@@ -219,12 +219,9 @@ def _diffusers_exported_names() -> frozenset[str] | None:
 
 
 def _diffusers_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+    from mergeflow.formats.manifest import installed_version
 
-    try:
-        return version("diffusers")
-    except PackageNotFoundError:
-        return "(not installed)"
+    return installed_version("diffusers") or "(not installed)"
 
 
 def require_local_dir(actor: Path) -> None:

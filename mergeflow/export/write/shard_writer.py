@@ -34,7 +34,7 @@ from mergeflow.export.write.quantized import (
     quantized_weight,
 )
 from mergeflow.export.write.readback import FollowingReadBack, read_exact
-from mergeflow.formats.manifest import fingerprint
+from mergeflow.formats.manifest import fingerprint, plain
 from mergeflow.formats.safetensors_format import (
     DATA_HASH_KEY,
     DTYPES,
@@ -93,7 +93,7 @@ def pack_shards(writes: list[TensorWrite], max_shard_size: int, weights_name: st
     shards = []
     for i, (group, size) in enumerate(zip(groups, sizes, strict=True)):
         name = shard_file_name(weights_name, i, len(groups))
-        body = [(asdict(tw), i) for tw in group]
+        body = [(plain(tw), i) for tw in group]
         ranges = large_share(size, total)
         shards.append(
             ShardPlan(
