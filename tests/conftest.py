@@ -55,9 +55,9 @@ class _EarlyServer:
     """A session's server, started in a thread, so that the session's own 10-15 s start-up overlaps test
     collection instead of stalling the first test that needs it.
 
-    The session's own (events=False) neither stores events nor runs automations (tests/prefect_server.py,
-    _WITHOUT_EVENTS): the tests that need them take `prefect_events_server`, a second one started for them
-    alone on first use."""
+    The session's own (events=False) neither stores events, runs automations nor records task runs
+    (tests/prefect_server.py, _WITHOUT_EVENTS): the tests that need them take `prefect_events_server`, a
+    second one started for them alone on first use."""
 
     def __init__(self, *, events: bool = False) -> None:
         self._home = Path(tempfile.mkdtemp(prefix="mergeflow-tests-server-"))
@@ -134,8 +134,9 @@ def prefect_server() -> Iterator[PrefectServer]:
 
 @pytest.fixture(scope="session")
 def prefect_events_server() -> Iterator[PrefectServer]:
-    """A server that stores events and runs automations (deployment triggers) on them, for the tests that read
-    events back or start runs from them; started on first use, once per worker, and stopped at the end."""
+    """A server that stores events, runs automations (deployment triggers) on them and records task runs, for
+    the tests that read events or task runs back or start runs from events; started on first use, once per
+    worker, and stopped at the end."""
     started = _EarlyServer(events=True)
     try:
         yield started.server()

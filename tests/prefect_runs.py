@@ -19,6 +19,11 @@ async def _task_runs(flow_run_id: UUID) -> list[Any]:
 
 def task_runs(flow_run_id: UUID, ready: Callable[[list[Any]], bool], timeout: float = 30.0) -> list[Any]:
     """The task runs of a flow run, once `ready(runs)` holds (task states arrive as events, a bit later)."""
+    from prefect.settings import PREFECT_API_URL
+    from prefect_server import NO_TASK_RUNS
+
+    # The session's servers do not record task runs (tests/prefect_server.py): waiting on one would only time out.
+    assert PREFECT_API_URL.value() not in NO_TASK_RUNS, "this server records no task runs: take prefect_events_api"
     deadline = time.monotonic() + timeout
     while True:
         runs = asyncio.run(_task_runs(flow_run_id))

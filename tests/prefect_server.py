@@ -33,13 +33,18 @@ _SERVER_SETTINGS = {
 # Off on a server started with events=False (the session's own: tests/conftest.py). Storing each event and
 # evaluating it against the automations is about a quarter of the server's CPU per tiny merge and validation
 # (0.22-0.25 CPU seconds with both, 0.15-0.18 without; 20 of each, measured), and the suite's two session
-# servers spent ~62 CPU seconds apiece, a sixth of the suite's CPU. Only the tests that read events back or
-# start runs from them need either: they take the server that has both (the `prefect_events_server`
-# fixture), as the cluster's server has.
+# servers spent ~62 CPU seconds apiece, a sixth of the suite's CPU. Recording the task runs from their state
+# events is a quarter of what was left: 0.13-0.16 CPU seconds per tiny merge with it, 0.11 without (30 merges,
+# twice each, 2026-12-08). Only the tests that read events or task runs back, or start runs from events, need
+# any of the three: they take the server that has them (the `prefect_events_server` fixture), as the
+# cluster's server has. tests/prefect_runs.py refuses to read task runs from a server that does not record them.
 _WITHOUT_EVENTS = {
     "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED": "false",
     "PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED": "false",
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_ENABLED": "false",
 }
+# The API URLs of this process's servers that do not record task runs (tests/prefect_runs.py reads it).
+NO_TASK_RUNS: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -261,6 +266,8 @@ def start_prefect_server(tmp_path: Path, *, startup_timeout: float = 90.0, auth_
             stdin=subprocess.DEVNULL, start_new_session=True,
         )
     server = PrefectServer(api_url=api_url, home=home, log_path=log_path, process=process, auth_string=auth_string)
+    if not events:
+        NO_TASK_RUNS.add(api_url)
     try:
         deadline = time.monotonic() + startup_timeout
         while not _healthy(api_url):
@@ -273,3 +280,4 @@ def start_prefect_server(tmp_path: Path, *, startup_timeout: float = 90.0, auth_
         yield server
     finally:
         _stop(process)
+        NO_TASK_RUNS.discard(api_url)

@@ -61,7 +61,7 @@ def shard_names(target: Path) -> list[str]:
     return sorted(p.name for p in target.glob("*.safetensors"))
 
 
-def test_failed_validation_keeps_staging_and_a_fresh_run_reuses_shards(tmp_path: Path, prefect_api: Any,
+def test_failed_validation_keeps_staging_and_a_fresh_run_reuses_shards(tmp_path: Path, prefect_events_api: Any,
                                                                        monkeypatch: pytest.MonkeyPatch,
                                                                        pristine_flux_w2: Export) -> None:
     ex = clone_export(pristine_flux_w2, tmp_path)
@@ -104,7 +104,7 @@ def test_failed_validation_keeps_staging_and_a_fresh_run_reuses_shards(tmp_path:
     assert validate_artifact(out)["integrity"] == "passed"
 
 
-def test_retry_of_the_same_flow_run_reuses_shards(tmp_path: Path, prefect_api: Any, monkeypatch: pytest.MonkeyPatch,
+def test_retry_of_the_same_flow_run_reuses_shards(tmp_path: Path, prefect_events_api: Any, monkeypatch: pytest.MonkeyPatch,
                                                   pristine_flux_w2: Export) -> None:
     from prefect.settings import PREFECT_API_URL, PREFECT_LOCAL_STORAGE_PATH
 
@@ -140,12 +140,12 @@ def _merge_args(ex: Any, target: Path) -> list[str]:
             "--target_dir", str(target), "--output_format", "transformer", "--max_shard_size", str(SHARD), "--workers", "1"]
 
 
-def test_merge_killed_mid_write_resumes_byte_identical(tmp_path: Path, prefect_server: Any, prefect_api: Any,
+def test_merge_killed_mid_write_resumes_byte_identical(tmp_path: Path, prefect_events_server: Any, prefect_events_api: Any,
                                                        pristine_flux_w2: Export) -> None:
     ex = clone_export(pristine_flux_w2, tmp_path)
     reference = Path(merge_model(ex.config(tmp_path / "reference", max_shard_size=SHARD)).output_dir)
     target = tmp_path / "killed"
-    env = prefect_server.client_env()
+    env = prefect_events_server.client_env()  # it records task runs; commands with its environment start cold
     proc = forked_cli.popen([str(TESTS / "slow_cli.py"), "0.1", *_merge_args(ex, target)], env)
     deadline = time.monotonic() + 120
     records: list[Path] = []
@@ -184,7 +184,8 @@ def test_merge_killed_mid_write_resumes_byte_identical(tmp_path: Path, prefect_s
     assert said[0].upper() + said[1:] in flow_run_logs(resumed.id, said[1:])
 
 
-def test_dask_local_cluster_gives_a_byte_identical_artifact(tmp_path: Path, prefect_api: Any, pristine_flux_w2: Export) -> None:
+def test_dask_local_cluster_gives_a_byte_identical_artifact(tmp_path: Path, prefect_events_api: Any,
+                                                            pristine_flux_w2: Export) -> None:
     import dask
     from distributed import LocalCluster
 
