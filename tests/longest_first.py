@@ -21,47 +21,40 @@ from collections.abc import Sequence
 
 import pytest
 
-# Seconds (call + setup) measured with `--durations` on a loaded two-core machine; only their
-# relative size matters. A key is a test's node id (its parametrized ids included, or without
-# them: all of them) or a module's path (its tests as one block).
+# Seconds (setup + call + teardown) of one run of the whole suite, two xdist workers on the two-core
+# machine (2026-12-08, a per-test probe; the loop of 10^7 additions: 0.5 s); only their relative size
+# matters. A key is a test's node id (its parametrized ids included, or without them: each of them that
+# long) or a module's path (its tests as one block).
 SECONDS: dict[str, float] = {
-    "tests/test_cluster.py": 180,  # one module-scoped cluster; ~60 s of it is a wait for missing heartbeats
-    "tests/test_serve_startup.py::test_serve_watch_and_backfill_without_an_api_url_share_the_local_server": 120,
-    "tests/test_serve.py::test_event_and_watcher_start_merges_validate_and_backfill_run_alone": 100,
-    "tests/test_progress.py::test_prefect_s_telemetry_notice_comes_before_the_progress_never_inside_it": 60,
-    "tests/test_interrupts.py::test_ctrl_c_without_a_server_is_one_line_too": 49,
-    "tests/test_resume.py::test_dask_local_cluster_gives_a_byte_identical_artifact": 49,
-    "tests/test_cli.py::test_demo_leads_somewhere": 43,
-    "tests/test_serve.py::test_prefect_yaml_deploys_with_prefect_deploy_all": 42,
-    "tests/test_dcp.py": 95,  # module fixtures: a real gloo DCP, a bf16 PEFT DCP
-    "tests/test_ui_browser.py::test_printed_links_open_the_run_in_a_browser": 40,
-    "tests/test_disk_full.py::test_enospc_at_every_durable_write_is_one_error_and_resumes": 34,
-    "tests/test_dcp_integrity.py::test_a_cli_merge_s_full_disk_names_the_shard_file_and_its_stderr_has_no_diffusers_line": 34,
-    "tests/test_local_server.py::test_a_server_whose_ui_asks_another_port_is_replaced": 32,
-    "tests/test_bounds.py::test_the_cli_refuses_a_huge_layer_count_in_one_line": 30,
-    "tests/test_resume.py::test_retry_of_the_same_flow_run_reuses_shards": 28,
-    "tests/test_progress.py::test_the_cli_prints_the_phases_to_a_pipe": 25,
-    "tests/test_schema_cache.py::test_a_remembered_schema_needs_no_diffusers_import": 24,
-    "tests/test_fsdp1.py": 50,  # module fixtures: real FSDP1 checkpoints per sharding strategy
-    "tests/test_crash_recovery.py::test_a_kill_at_every_durable_write_resumes_to_the_same_bytes": 18,
-    "tests/test_backfill.py": 35,
-    "tests/test_lora_fusion.py::test_checkpoint_refusals_leave_no_output": 13,
-    "tests/test_resume.py::test_merge_killed_mid_write_resumes_byte_identical": 13,
-    "tests/test_resume.py::test_an_orphaned_staging_dir_is_named": 11,
-    "tests/test_bounds.py::test_a_huge_layer_count_in_the_base_config_is_refused_and_named": 11,
-    "tests/test_cli.py::test_merge_uploads_to_a_hub_and_reports_it": 11,
-    "tests/test_bounds.py::test_every_known_full_size_model_fits_the_smallest_checkpoint_budget": 10,
-    "tests/test_events.py::test_without_api_url_it_fails_loudly_and_starts_no_server": 10,
-    "tests/test_local_server.py::test_second_merge_reuses_the_background_server": 10,
-    "tests/test_lora_fusion.py::test_minimax_h3_native_fuses_before_conversion_and_refuses_adapters": 9,
-    "tests/test_disk_full.py::test_enospc_while_building_a_pipeline_resumes": 17,
-    "tests/test_resume.py::test_a_rerun_from_another_cwd_with_other_spellings_resumes": 9,
-    "tests/test_resume.py::test_failed_validation_keeps_staging_and_a_fresh_run_reuses_shards": 9,
-    "tests/test_cli.py::test_two_concurrent_merges_to_one_target_publish_once": 9,
-    "tests/test_full_scale_generator.py::test_mergeflow_exports_and_validates_a_generated_checkpoint": 8,
-    "tests/test_interrupts.py::test_an_interrupted_export_ends_with_one_line_and_resumes": 16,
-    "tests/test_pipelines.py": 40,
-    "tests/test_confinement.py::test_merge_against_a_server_that_refuses_the_credentials_is_one_line": 8,
+    "tests/test_cluster.py": 88,  # one module-scoped cluster; ~30 s of it is a wait for missing heartbeats
+    "tests/test_serve.py::test_event_and_watcher_start_merges_validate_and_backfill_run_alone": 39,
+    "tests/test_serve_startup.py::test_serve_watch_and_backfill_without_an_api_url_share_the_local_server": 24,
+    "tests/test_dcp.py": 21,  # module fixtures: a real gloo DCP, a bf16 PEFT DCP
+    "tests/test_local_server.py::test_second_merge_reuses_the_background_server": 19,
+    "tests/test_serve.py::test_sigterm_stops_a_served_runs_writers_between_tensors": 18,
+    "tests/test_ui_browser.py::test_printed_links_open_the_run_in_a_browser": 17,
+    "tests/test_cli.py::test_demo_leads_somewhere": 16,
+    "tests/test_local_server.py::test_the_command_server_prints_no_link_and_a_users_server_its_own_ui": 14,
+    "tests/test_interrupts.py::test_ctrl_c_without_a_server_is_one_line_too": 13,
+    "tests/test_single_file_flux.py::test_from_single_file_reads_the_bfl_file_back_bit_for_bit": 11,  # each
+    "tests/test_pipelines.py": 12,
+    "tests/test_resume.py::test_dask_local_cluster_gives_a_byte_identical_artifact": 12,
+    "tests/test_fsdp1.py": 11,  # module fixtures: real FSDP1 checkpoints per sharding strategy
+    "tests/test_comfyui_lora.py::test_flux_fused_modules_hold_the_exact_block_structured_lora": 11,
+    "tests/test_resume.py::test_merge_killed_mid_write_resumes_byte_identical": 11,
+    "tests/test_serve.py::test_a_malformed_served_event_is_a_failed_run_with_its_reason": 9,
+    "tests/test_local_server.py::test_a_server_whose_ui_asks_another_port_is_replaced": 9,
+    "tests/test_reads_once.py::test_a_transformer_export_opens_each_metadata_file_once": 9,
+    "tests/test_interrupts.py::test_sigterm_stops_the_writers_between_tensors": 8,
+    "tests/test_progress.py::test_prefect_s_telemetry_notice_comes_before_the_progress_never_inside_it": 8,
+    "tests/test_comfyui_lora.py::test_flux_single_block_linear1_loads_with_load_lora_weights_at_flux1_width": 7,
+    "tests/test_interrupts.py::test_an_interrupted_export_ends_with_one_line_and_resumes": 6,
+    "tests/test_crash_recovery.py::test_a_kill_at_every_durable_write_resumes_to_the_same_bytes": 5,  # each
+    "tests/test_reads_once.py::test_a_dcp_pipeline_export_opens_each_metadata_file_once": 6,
+    "tests/test_disk_full.py::test_enospc_at_every_durable_write_is_one_error_and_resumes": 6,
+    "tests/test_extract_lora.py::test_the_command_line_extracts_a_diffusers_lora_that_load_lora_weights_reproduces": 5,
+    "tests/test_serve.py::test_prefect_yaml_deploys_with_prefect_deploy_all": 5,
+    "tests/test_resume.py::test_retry_of_the_same_flow_run_reuses_shards": 4,
 }
 
 
