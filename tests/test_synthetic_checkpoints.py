@@ -122,6 +122,44 @@ def test_tiny_transformer_builds_deterministically_and_runs(class_name: str) -> 
     assert any(not torch.equal(state[k], other[k]) for k in state)
 
 
+def test_a_small_parameter_is_drawn_element_by_element_as_before() -> None:
+    """Every tiny fixture's bytes stay what they were: up to the threshold, the fill is randn from the generator."""
+    from mergeflow.demo import tiny_transformers
+
+    data = torch.empty(7, 5)
+    tiny_transformers._fill_(data, "proj.weight", torch.Generator().manual_seed(3))
+    drawn = torch.randn(7, 5, generator=torch.Generator().manual_seed(3)) * 5 ** -0.5
+    assert torch.equal(data, drawn)
+    assert max(p.numel() for name in CLASS_NAMES for p in build_transformer(name, seed=0).parameters()) \
+        <= tiny_transformers._DRAWN_IN_FULL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_large_parameter_is_noise_with_no_two_rows_alike(dtype: torch.dtype) -> None:
+    """Above the threshold the fill copies rotations of a drawn pool: seeded, scaled by fan-in as before, and
+    with every row its own, so that a misplaced row or block cannot read back equal."""
+    from mergeflow.demo import tiny_transformers
+
+    rows, width = 1_500, 3_072  # 4.6 M elements: over the threshold, over four pools
+    assert rows * width > tiny_transformers._DRAWN_IN_FULL
+
+    def filled(seed: int, name: str = "blocks.0.ff.weight", shape: tuple[int, ...] = (rows, width)) -> torch.Tensor:
+        data = torch.empty(shape, dtype=dtype)
+        tiny_transformers._fill_(data, name, torch.Generator().manual_seed(seed))
+        return data
+
+    weight = filled(0)
+    assert torch.equal(weight, filled(0)) and not torch.equal(weight, filled(1))
+    values = weight.float()
+    assert abs(values.std().item() * width ** 0.5 - 1.0) < 0.01 and abs(values.mean().item()) < 0.001
+    assert torch.unique(values, dim=0).shape[0] == rows
+    # The pool's chunks are rotations of each other, not repeats: no chunk starts like the one before.
+    flat, pool = values.view(-1), tiny_transformers._POOL
+    assert not torch.equal(flat[:64], flat[pool:pool + 64])
+    norm = filled(0, "norm.weight", (rows * width,)).float()  # a norm's scale: near 1, as a small one is
+    assert abs(norm.mean().item() - 1.0) < 0.001 and abs(norm.std().item() - 0.1) < 0.001
+
+
 def test_cast_keeps_fp32_modules_like_from_pretrained(tmp_path: Path) -> None:
     model = build_transformer("WanTransformer3DModel", dtype=torch.bfloat16)
     dtypes = {name: t.dtype for name, t in model.state_dict().items()}
