@@ -135,8 +135,9 @@ def prefect_server() -> Iterator[PrefectServer]:
 @pytest.fixture(scope="session")
 def prefect_events_server() -> Iterator[PrefectServer]:
     """A server that stores events, runs automations (deployment triggers) on them and records task runs, for
-    the tests that read events or task runs back or start runs from events; started on first use, once per
-    worker, and stopped at the end."""
+    the tests that read events or task runs back or start runs from events; started on first use and stopped
+    at the end. Those tests are all dealt to one worker (tests/longest_first.py, ONE_WORKER), so one run starts
+    one; a test the other worker steals starts a second there."""
     started = _EarlyServer(events=True)
     try:
         yield started.server()

@@ -58,6 +58,13 @@ SECONDS: dict[str, float] = {
 }
 
 
+# Session fixtures that each worker starts on first use, and that are worth starting once per run: every
+# test that needs one is dealt to the same block, as one unit, so that only that block's worker starts it.
+# The server that stores events (tests/conftest.py): ~4 CPU-s to start, then ~0.025 CPU-s a second of
+# polling while it idles until the session ends, ~11 CPU-s a run for a second copy.
+ONE_WORKER = ("prefect_events_server",)
+
+
 def _weight(nodeid: str) -> float:
     """The known seconds of one test: its own entry, or its entry without the parametrized ids."""
     return SECONDS.get(nodeid, SECONDS.get(nodeid.split("[", 1)[0], 0.0))
@@ -67,6 +74,12 @@ def _uses_module_fixture(item: pytest.Item) -> bool:
     info = getattr(item, "_fixtureinfo", None)
     defs = getattr(info, "name2fixturedefs", {}) if info is not None else {}
     return any(d.scope in ("module", "class", "package") for each in defs.values() for d in each)
+
+
+def _closure(item: pytest.Item) -> tuple[str, ...]:
+    """The names of every fixture a test needs, those its fixtures need included."""
+    info = getattr(item, "_fixtureinfo", None)
+    return tuple(getattr(info, "names_closure", ())) if info is not None else ()
 
 
 def _block_sizes(total: int, workers: int) -> list[int]:
@@ -87,6 +100,21 @@ def longest_first(items: Sequence[pytest.Item], workers: int) -> list[pytest.Ite
         modules.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
     units: list[tuple[float, list[pytest.Item]]] = []
     placed: set[int] = set()
+    for fixture in ONE_WORKER:
+        unit, keyed = [], 0.0
+        for item in items:
+            if id(item) in placed or fixture not in _closure(item):
+                continue
+            path = item.nodeid.split("::", 1)[0]
+            if path in SECONDS or _uses_module_fixture(item):  # its module's fixture is still built once
+                members = [each for each in modules[path] if id(each) not in placed]
+                keyed += SECONDS.get(path, 0.0)
+            else:
+                members = [item]
+            placed.update(id(each) for each in members)
+            unit.extend(members)
+        if unit:
+            units.append((keyed + sum(_weight(each.nodeid) for each in unit), unit))
     for item in items:
         if id(item) in placed:
             continue
