@@ -177,7 +177,7 @@ def _materialise_parameters(
 
 
 # A parameter up to this many elements is drawn element by element from the generator: every tiny
-# fixture and the demo, whose bytes so stay what they were. A larger one (the FLUX.1-width tests, the
+# fixture and the demo, whose bytes therefore stay what they were. A larger one (the FLUX.1-width tests, the
 # benches' models of real depth) is filled from a drawn pool instead (_fill_from_pool_).
 _DRAWN_IN_FULL = 1 << 22
 # Prime, so that the pool's rotations never line up with a power-of-two row width.
